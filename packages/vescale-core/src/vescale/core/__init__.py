@@ -1,0 +1,32 @@
+"""vescale.core: the thin core every vescale package shares.
+
+- :mod:`vescale.core.launch`: start ranks locally (``spawn``) or join torchrun's (``init_distributed``).
+- :mod:`vescale.core.mesh`: named device meshes in canonical order (``init_mesh``, ``sub_mesh``).
+- :mod:`vescale.core.fqn`: the one matcher of plan patterns against FQNs (``match_plan``).
+- :mod:`vescale.core.errors`: ``VescaleError`` and its subclasses.
+- :mod:`vescale.core.testing`: the pooled multi-rank pytest harness.
+"""
+
+from __future__ import annotations
+
+from vescale.core.errors import MeshError, PlanError, RankError, RankTimeoutError, VescaleError
+from vescale.core.fqn import PlanMatch, match_plan
+from vescale.core.launch import init_distributed, spawn
+from vescale.core.mesh import dim_size, init_mesh, mesh_coordinates, parse_mesh_spec, sub_mesh
+
+__all__ = [
+    "VescaleError",
+    "MeshError",
+    "PlanError",
+    "RankError",
+    "RankTimeoutError",
+    "PlanMatch",
+    "match_plan",
+    "spawn",
+    "init_distributed",
+    "init_mesh",
+    "parse_mesh_spec",
+    "sub_mesh",
+    "dim_size",
+    "mesh_coordinates",
+]

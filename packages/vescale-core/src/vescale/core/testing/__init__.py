@@ -1,0 +1,115 @@
+"""Multi-rank tests on CPU: a test body runs on N gloo ranks taken from a pool kept alive for the pytest session.
+
+Spawning a torch process costs about 2 s, so the ranks of each world size are started once and reused by every test
+of that size. Write the body as a module-level test function and decorate it::
+
+    from vescale.core.testing import multi_rank
+
+    @multi_rank(world_sizes=[1, 2, 4])
+    def test_all_reduce(world_size):
+        import torch, torch.distributed as dist
+        t = torch.ones(3) * dist.get_rank()
+        dist.all_reduce(t)
+        assert t.tolist() == [sum(range(world_size))] * 3
+
+The body runs on every rank of an initialised default process group (gloo; ``RANK``/``WORLD_SIZE`` set). Pytest
+parameters and fixtures with picklable values (``tmp_path``) reach it as usual. A rank that raises fails the test with
+that rank's traceback and captured output; a rank that hangs fails it after ``timeout`` seconds with its Python stack,
+and the pool of that size is rebuilt so the next test runs. The return value of rank 0 is ignored by pytest.
+
+:func:`run_on_ranks` is the same machinery as a plain call, returning every rank's result.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vescale.core._workers import WorkerGroup
+
+__all__ = ["multi_rank", "run_on_ranks", "shutdown_pools", "pool_pids", "imported_vescale_packages", "DEFAULT_TIMEOUT"]
+
+#: Seconds a test body may run on its ranks; override per test or with ``VESCALE_TEST_TIMEOUT``.
+DEFAULT_TIMEOUT = float(os.environ.get("VESCALE_TEST_TIMEOUT", "300"))
+
+_pools: dict[int, WorkerGroup] = {}
+
+
+def _group(world_size: int) -> WorkerGroup:
+    group = _pools.get(world_size)
+    if group is None or not group.alive:
+        group = WorkerGroup(world_size, backend=os.environ.get("VESCALE_TEST_BACKEND", "gloo"), capture_output=True)
+        _pools[world_size] = group
+    return group
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None,
+                 **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` pooled ranks; return the results in rank order.
+
+    ``fn`` must be a module-level function. Raises :class:`~vescale.core.errors.RankError` or
+    :class:`~vescale.core.errors.RankTimeoutError` as :meth:`WorkerGroup.run` does.
+    """
+    return _group(world_size).run(fn, args, kwargs, timeout=timeout or DEFAULT_TIMEOUT)
+
+
+def pool_pids(world_size: int) -> list[int]:
+    """Process ids of the pooled ranks of ``world_size`` (empty when none is running); for tests of the pool."""
+    group = _pools.get(world_size)
+    return group.pids if group is not None and group.alive else []
+
+
+def shutdown_pools() -> None:
+    """Stop every pooled rank; the pytest plugin calls this at the end of the session."""
+    while _pools:
+        _, group = _pools.popitem()
+        group.close()
+
+
+def multi_rank(world_sizes: Iterable[int] | int = (2,), *, timeout: float | None = None):
+    """Decorate a module-level test body to run on every rank, once per world size in ``world_sizes``.
+
+    The body may take a ``world_size`` argument; it is parametrised by pytest either way. Everything else in its
+    signature is resolved by pytest (parameters, fixtures) in the test process and sent to the ranks by pickle.
+    """
+    import pytest
+
+    sizes = [world_sizes] if isinstance(world_sizes, int) else list(world_sizes)
+
+    def decorate(body: Callable[..., Any]) -> Callable[..., None]:
+        sig = inspect.signature(body)
+        takes_world_size = "world_size" in sig.parameters
+        params = list(sig.parameters.values())
+        if not takes_world_size:
+            params.append(inspect.Parameter("world_size", inspect.Parameter.KEYWORD_ONLY))
+
+        @functools.wraps(body)
+        def test(**kwargs: Any) -> None:
+            world_size = kwargs["world_size"] if takes_world_size else kwargs.pop("world_size")
+            _group(world_size).run(test, (), kwargs, timeout=timeout or DEFAULT_TIMEOUT)
+
+        test.__signature__ = sig.replace(parameters=params)  # what pytest sees: the body's args + world_size
+        del test.__wrapped__  # keep pytest from reading the body's signature instead
+        test.__vescale_body__ = body  # what the ranks run when they resolve this test by name
+        return pytest.mark.parametrize("world_size", sizes)(test)
+
+    return decorate
+
+
+def imported_vescale_packages(module: str) -> set[str]:
+    """The ``vescale.<sub>`` packages loaded by ``import <module>`` in a fresh interpreter.
+
+    Packages use it to prove they import no sibling they do not declare (DESIGN.md: the direction of dependencies).
+    """
+    import subprocess
+    import sys
+
+    code = (f"import sys, {module}\n"
+            "print(' '.join(sorted({m.split('.')[1] for m in sys.modules if m.startswith('vescale.')})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise ImportError(f"import {module} failed in a fresh interpreter:\n{out.stderr}")
+    return set(out.stdout.split())

@@ -1,0 +1,7 @@
+"""vescale-dtensor imports only the vescale packages it declares (DESIGN.md: the direction of dependencies)."""
+
+from vescale.core.testing import imported_vescale_packages
+
+
+def test_imports_only_declared_siblings():
+    assert imported_vescale_packages("vescale.dtensor") <= {"core", "dtensor"}
