@@ -10,6 +10,7 @@ import itertools
 import math
 
 import pytest
+
 from vescale.core.testing import imported_vescale_packages, multi_rank
 
 # (world size, mesh) pairs of the matrix: (dp), (tp), (pp), (dp,tp), (pp,dp), (pp,tp), (pp,dp,tp).
@@ -44,6 +45,7 @@ def _expected_groups(dims: dict[str, int], name: str) -> set[tuple[int, ...]]:
 def _check_mesh(dims):
     import torch
     import torch.distributed as dist
+
     from vescale.core.mesh import init_mesh, sub_mesh
 
     mesh = init_mesh(dims)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from vescale.core.errors import PlanError
 from vescale.core.fqn import match_plan
 

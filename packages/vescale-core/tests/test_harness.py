@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+
 from vescale.core.errors import RankError, RankTimeoutError
 from vescale.core.testing import multi_rank, pool_pids, run_on_ranks
 

@@ -1,6 +1,7 @@
 """vescale-core imports no other vescale package."""
 
 import pytest
+
 from vescale.core.testing import imported_vescale_packages
 
 

@@ -9,16 +9,18 @@ import textwrap
 import time
 
 import pytest
+
 from vescale.core.errors import RankError, RankTimeoutError
 from vescale.core.launch import spawn
 
 
 def _gather_ranks(tag):
+    import torch
     import torch.distributed as dist
 
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (dist.get_rank(), tag))
-    return out
+    out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([dist.get_rank()]))
+    return [(int(t.item()), tag) for t in out]
 
 
 def _raise_on_last():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from vescale.core.errors import MeshError
 from vescale.core.mesh import parse_mesh_spec
 from vescale.core.testing import multi_rank
@@ -18,6 +19,7 @@ def test_parse_mesh_spec():
 @multi_rank(world_sizes=[4])
 def test_init_mesh_orders_dims_canonically():
     import torch.distributed as dist
+
     from vescale.core.mesh import dim_size, init_mesh, mesh_coordinates, sub_mesh
 
     mesh = init_mesh({"tp": 2, "dp": 2})

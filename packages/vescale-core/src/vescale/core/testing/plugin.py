@@ -7,6 +7,7 @@ signature of :func:`vescale.core.testing.run_on_ranks`, for tests that run sever
 from __future__ import annotations
 
 import pytest
+
 from vescale.core.testing import run_on_ranks, shutdown_pools
 
 

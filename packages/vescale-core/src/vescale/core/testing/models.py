@@ -1,0 +1,191 @@
+"""A small nanoGPT-style, Llama-shaped decoder for tests, benchmarks and the training CLI.
+
+Deliberately ordinary PyTorch: ``nn.Linear``/``nn.Embedding`` parameters, explicit attention arithmetic (no fused
+kernels), a causal mask and positions created inside ``forward``, weights initialised in ``__init__`` through
+``_init_weights`` like Hugging Face models do. That is exactly what a parallelizer must cope with unchanged.
+
+Parameter FQNs (``L`` = layer index)::
+
+    embed.weight                                   [vocab, d_model]
+    layers.L.attn_norm.weight                      [d_model]
+    layers.L.attn.{wq,wk,wv,wo}.weight             wq [n_head*hd, d], wk/wv [n_kv_head*hd, d], wo [d, n_head*hd]
+    layers.L.mlp_norm.weight                       [d_model]
+    layers.L.mlp.{w_gate,w_up,w_down}.weight       w_gate/w_up [ffn, d], w_down [d, ffn]
+    norm.weight                                    [d_model]
+    lm_head.weight                                 [vocab, d_model] (the same Parameter as embed.weight when tied)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPTConfig", "GPT", "RMSNorm", "Attention", "MLP", "Block", "cross_entropy"]
+
+
+@dataclass
+class GPTConfig:
+    """Shape of :class:`GPT`. ``ffn_hidden=None`` picks the Llama rule: 8/3 d_model rounded up to a multiple of 32."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int | None = None
+    ffn_hidden: int | None = None
+    max_seq_len: int = 128
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError(f"head dim {self.d_model // self.n_head} must be even for rotary embeddings")
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (Llama's norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped key/value heads and rotary positions."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.wo.residual_out = True
+        self.attn_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        groups = self.n_head // self.n_kv_head
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        att = self.attn_dropout(F.softmax(scores, dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(b, t, -1)
+        return self.resid_dropout(self.wo(y))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``w_down(silu(w_gate x) * w_up x)``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w_down.residual_out = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.w_down(F.silu(self.w_gate(x)) * self.w_up(x)))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: ``forward(tokens [B, T] int64) -> logits [B, T, vocab]``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.cfg.init_std
+        if isinstance(module, nn.Linear):
+            # Output projections of residual branches get the GPT-2 depth scaling.
+            if getattr(module, "residual_out", False):
+                std = std / math.sqrt(2 * self.cfg.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables ``[seq_len, head_dim]`` for positions ``0 .. seq_len-1``."""
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.to(device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rotary(t, tokens.device)
+        x = self.drop(self.embed(tokens))
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token loss over all positions: ``logits [B, T, V]``, ``targets [B, T]``."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
