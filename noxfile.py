@@ -62,6 +62,37 @@ def integration(session: nox.Session) -> None:
 
 
 @nox.session
+def train(session: nox.Session) -> None:
+    """The main job: ``tools/train.py`` with every package installed; arguments after ``--`` go to it.
+
+    ``nox -s train`` trains the default ~11M-parameter model on 2 CPU ranks; ``nox -s train -- --mesh
+    pp=2,dp=2,tp=2 --steps 100`` picks another mesh.
+    """
+    _install(session, list(PACKAGES), extras="")
+    session.install("matplotlib")
+    session.run("python", str(ROOT / "tools" / "train.py"), *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark in ``tools/bench`` at its small size; each prints one JSON object, collected in bench_out/.
+
+    ``nox -s bench -- NAME`` runs only ``tools/bench/NAME.py``; without ``--small`` use the script directly.
+    """
+    _install(session, list(PACKAGES), extras="")
+    session.install("transformers>=4.45", "matplotlib")
+    out = ROOT / "bench_out"
+    out.mkdir(exist_ok=True)
+    scripts = sorted((ROOT / "tools" / "bench").glob("*.py"))
+    if session.posargs:
+        scripts = [s for s in scripts if s.stem in session.posargs]
+    for script in scripts:
+        result = session.run("python", str(script), "--small", silent=True)
+        (out / f"{script.stem}.json").write_text(result.strip().splitlines()[-1] + "\n")
+        session.log(f"{script.stem}: {result.strip().splitlines()[-1]}")
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the whole tree."""
     session.install("ruff")

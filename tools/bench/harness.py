@@ -1,6 +1,6 @@
 """Cost of one multi-rank test body: vescale's pooled ranks against a fresh torch.multiprocessing.spawn per test.
 
-    python tools/bench/harness.py [--world-size 4] [--calls 50]
+    python tools/bench/harness.py [--world-size 4] [--calls 50] [--small]
 
 Prints one JSON object: pool start-up (paid once per pytest session), the warm per-call cost of an empty body and of
 a body doing one all_reduce, the cost of the PyTorch-native way (spawn N processes + init_process_group per test),
@@ -53,7 +53,10 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--native-calls", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="fewer repetitions (the nox bench session)")
     args = parser.parse_args()
+    if args.small:
+        args.calls, args.native_calls = 20, 2
     n = args.world_size
 
     t0 = time.perf_counter()
