@@ -36,10 +36,11 @@ def _local(package: str, extras: str = "") -> str:
 
 
 def _install(session: nox.Session, packages: list[str], extras: str = "[test]") -> None:
+    # --no-compile: byte-compiling all of torch at install costs ~70 s per venv; Python compiles what it imports.
     # One pip call, so the local directories satisfy the sibling requirements by name.
-    session.install(TORCH, *(_local(p, extras) for p in packages))
+    session.install("--no-compile", TORCH, *(_local(p, extras) for p in packages))
     # Reused venvs keep an older build of the same version: refresh the vescale packages themselves.
-    session.install("--no-deps", "--force-reinstall", *(_local(p) for p in packages))
+    session.install("--no-compile", "--no-deps", "--force-reinstall", *(_local(p) for p in packages))
 
 
 @nox.session
@@ -57,7 +58,7 @@ def integration(session: nox.Session) -> None:
     Select part of the matrix with pytest options, e.g. ``nox -s integration -- -k ws4``.
     """
     _install(session, list(PACKAGES))
-    session.install("transformers>=4.45", "matplotlib")
+    session.install("--no-compile", "transformers>=4.45", "matplotlib")
     session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "integration_tests"), *session.posargs)
 
 
@@ -69,7 +70,7 @@ def train(session: nox.Session) -> None:
     pp=2,dp=2,tp=2 --steps 100`` picks another mesh.
     """
     _install(session, list(PACKAGES), extras="")
-    session.install("matplotlib")
+    session.install("--no-compile", "matplotlib")
     session.run("python", str(ROOT / "tools" / "train.py"), *session.posargs)
 
 
@@ -80,7 +81,7 @@ def bench(session: nox.Session) -> None:
     ``nox -s bench -- NAME`` runs only ``tools/bench/NAME.py``; without ``--small`` use the script directly.
     """
     _install(session, list(PACKAGES), extras="")
-    session.install("transformers>=4.45", "matplotlib")
+    session.install("--no-compile", "transformers>=4.45", "matplotlib")
     out = ROOT / "bench_out"
     out.mkdir(exist_ok=True)
     scripts = sorted((ROOT / "tools" / "bench").glob("*.py"))

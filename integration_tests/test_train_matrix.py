@@ -88,3 +88,23 @@ def test_resume_on_another_mesh_continues_the_curve(ws_a, mesh_a, ws_b, mesh_b, 
     assert len(got) == STEPS - half
     # The uninterrupted single-device curve is the reference for both meshes (tested above); rtol 1e-4.
     assert got == pytest.approx(reference[half:], rel=1e-4), f"{mesh_a} -> {mesh_b}: {got} vs {reference[half:]}"
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["--mesh", "pp=8,tp=3"], "pp=8 exceeds the model's 6 layers"),
+    (["--mesh", "tp=3"], "vocab_size=512 is not divisible by tp=3"),
+    (["--mesh", "dp=3"], "--batch-size 8 is not divisible by dp=3"),
+    (["--mesh", "pp=2", "--zero", "1"], "--zero with pp > 1 is not supported"),
+    (["--mesh", "tp=2", "--seq-len", "999"], "exceeds the model's max_seq_len=256"),
+])
+def test_a_mesh_that_does_not_fit_is_refused_before_any_rank_starts(argv, reason, capsys):
+    with pytest.raises(SystemExit) as info:
+        train.main(argv)
+    assert reason in str(info.value)
+
+
+def test_unknown_mesh_dimension_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        train.main(["--mesh", "dp=2,xx=2"])
+    assert info.value.code == 2
+    assert "['xx'] are not supported" in capsys.readouterr().err

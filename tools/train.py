@@ -36,6 +36,69 @@ MODEL_SIZES = {  # name -> GPTConfig fields
     "gpt-11m": dict(d_model=384, n_layer=6, n_head=6, n_kv_head=6, vocab_size=512, max_seq_len=256),
     "gpt-tiny": dict(d_model=64, n_layer=2, n_head=4, n_kv_head=2, vocab_size=128, max_seq_len=64),
 }
+# Unmodified Hugging Face architectures with small configs (no download): name -> (config class, model class, fields).
+HF_MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=256)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=512, n_embd=256, n_layer=4, n_head=8, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0)),
+}
+MODELS = sorted([*MODEL_SIZES, *HF_MODELS])
+
+
+@dataclass
+class ModelSpec:
+    """What the trainer needs to know of a model, whatever its family."""
+
+    vocab_size: int
+    n_layer: int
+    max_seq_len: int
+    divisible: dict  # quantities tensor parallelism splits, name -> size
+
+
+def model_spec(name: str) -> ModelSpec:
+    """Sizes of model ``name`` that decide which meshes fit it, read from its config without building it."""
+    if name in MODEL_SIZES:
+        g = GPTConfig(**MODEL_SIZES[name])
+        return ModelSpec(g.vocab_size, g.n_layer, g.max_seq_len,
+                         dict(n_head=g.n_head, n_kv_head=g.n_kv_head, ffn_hidden=g.ffn_hidden, vocab_size=g.vocab_size))
+    fields = HF_MODELS[name][2]
+    heads = fields.get("num_attention_heads", fields.get("n_head"))
+    divisible = dict(heads=heads, kv_heads=fields.get("num_key_value_heads", heads), vocab_size=fields["vocab_size"],
+                     ffn=fields.get("intermediate_size", 4 * fields.get("n_embd", 0)))
+    return ModelSpec(fields["vocab_size"], fields.get("num_hidden_layers", fields.get("n_layer")),
+                     fields.get("max_position_embeddings", fields.get("n_positions")), divisible)
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """The unmodified model named ``name``, initialised from the current torch seed."""
+    if name in MODEL_SIZES:
+        return GPT(GPTConfig(**MODEL_SIZES[name]))
+    import transformers
+
+    config_cls, model_cls, fields = HF_MODELS[name]
+    config = getattr(transformers, config_cls)(**fields, use_cache=False, tie_word_embeddings=False)
+    config._attn_implementation = "eager"  # plain matmul attention: what DTensor shards op by op
+    return getattr(transformers, model_cls)(config)
+
+
+def plan_for(name: str, tp_mesh, sequence_parallel: bool) -> dict:
+    """The hand-written Megatron-style plan of ``vescale.parallel.plans`` for model family ``name``."""
+    from vescale.parallel import plans
+
+    family = name.split("-")[0]
+    return getattr(plans, f"{family}_plan")(tp_mesh, dp=None, sequence_parallel=sequence_parallel)
+
+
+def language_model_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a model output: logits, or a Hugging Face output with ``.logits``."""
+    logits = output.logits if hasattr(output, "logits") else output["logits"] if isinstance(output, dict) else output
+    return cross_entropy(logits, targets)
 
 
 @dataclass
@@ -111,18 +174,16 @@ class Trainer:
         self.cfg, self.mesh = cfg, mesh
         self.pp, self.dp, self.tp = (dim_size(mesh, n) for n in ("pp", "dp", "tp"))
         self.dp_rank = sub_mesh(mesh, "dp").get_local_rank() if self.dp > 1 else 0
-        self.gcfg = GPTConfig(**MODEL_SIZES[cfg.model])
-        _check_fits(cfg, self.gcfg, self.pp, self.dp, self.tp)
+        self.spec = model_spec(cfg.model)
+        check_fits(cfg, self.spec, self.pp, self.dp, self.tp)
         torch.manual_seed(cfg.seed)  # every rank builds the same full model, the single-device reference init
-        model = GPT(self.gcfg)
+        model = build_model(cfg.model)
         self.num_params = sum(p.numel() for p in model.parameters())
         if self.tp > 1:
             from vescale.parallel import parallelize_module
-            from vescale.parallel.plans import gpt_plan
 
             tp_mesh = sub_mesh(mesh, "tp")
-            model = parallelize_module(model, tp_mesh, gpt_plan(tp_mesh, dp=None,
-                                                                sequence_parallel=cfg.sequence_parallel))
+            model = parallelize_module(model, tp_mesh, plan_for(cfg.model, tp_mesh, cfg.sequence_parallel))
         self.model = model
         self.engine = None
         if self.pp > 1:
@@ -131,7 +192,7 @@ class Trainer:
             mb = cfg.batch_size // self.dp // self.microbatches
             stages = split(model, num_stages=self.pp, example_inputs=(torch.zeros(mb, cfg.seq_len, dtype=torch.long),))
             self.engine = PipeEngine(stages, sub_mesh(mesh, "pp"), schedule=cfg.schedule,
-                                     num_microbatches=self.microbatches, loss_fn=cross_entropy,
+                                     num_microbatches=self.microbatches, loss_fn=language_model_loss,
                                      dp_group=sub_mesh(mesh, "dp").get_group() if self.dp > 1 else None)
             self.trained = [stage for stage in self.engine.stages.values()]
             params = self.engine.parameters()
@@ -169,7 +230,7 @@ class Trainer:
             loss = self.engine.step(inputs, targets).detach()
         else:
             with span("forward", cat="forward"):
-                loss = cross_entropy(self.trained[0](inputs), targets)
+                loss = language_model_loss(self.trained[0](inputs), targets)
             with span("backward", cat="backward"):
                 loss.backward()
                 if hasattr(self, "ddp"):
@@ -195,23 +256,23 @@ class Trainer:
         return {"model": self.model if self.engine is None else self.trained, "optim": self.optimizer}
 
 
-def _check_fits(cfg: TrainConfig, g: GPTConfig, pp: int, dp: int, tp: int) -> None:
+def check_fits(cfg: TrainConfig, spec: ModelSpec, pp: int, dp: int, tp: int) -> None:
+    """Refuse (SystemExit naming every reason) a mesh that does not fit the model or the batch."""
     problems = []
     if cfg.batch_size % dp:
         problems.append(f"--batch-size {cfg.batch_size} is not divisible by dp={dp}")
     if pp > 1 and (cfg.batch_size // max(dp, 1)) % (cfg.microbatches or 2 * pp):
         problems.append(f"the per-dp-rank batch {cfg.batch_size // dp} is not divisible by "
                         f"{cfg.microbatches or 2 * pp} microbatches")
-    if pp > g.n_layer:
-        problems.append(f"pp={pp} exceeds the model's {g.n_layer} layers")
-    for what, n in [("n_head", g.n_head), ("n_kv_head", g.n_kv_head), ("ffn_hidden", g.ffn_hidden),
-                    ("vocab_size", g.vocab_size)]:
+    if pp > spec.n_layer:
+        problems.append(f"pp={pp} exceeds the model's {spec.n_layer} layers")
+    for what, n in spec.divisible.items():
         if n % tp:
             problems.append(f"model {cfg.model}: {what}={n} is not divisible by tp={tp}")
     if cfg.sequence_parallel and cfg.seq_len % tp:
         problems.append(f"--seq-len {cfg.seq_len} is not divisible by tp={tp} (sequence parallel)")
-    if cfg.seq_len > g.max_seq_len:
-        problems.append(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len={g.max_seq_len}")
+    if cfg.seq_len > spec.max_seq_len:
+        problems.append(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len={spec.max_seq_len}")
     if cfg.zero and pp > 1:
         problems.append("--zero with pp > 1 is not supported yet (ZeRO wraps a whole model, not pipeline stages)")
     if problems:
@@ -285,7 +346,7 @@ def train(cfg: TrainConfig) -> dict:
     rank = dist.get_rank()
     mesh = init_mesh(cfg.dims)
     trainer = Trainer(cfg, mesh)
-    corpus = MarkovCorpus(trainer.gcfg.vocab_size, cfg.seed)
+    corpus = MarkovCorpus(trainer.spec.vocab_size, cfg.seed)
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -366,7 +427,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     d = TrainConfig()
     p.add_argument("--mesh", default=d.mesh, help="named mesh, e.g. pp=2,dp=2,tp=2 (product = number of ranks)")
-    p.add_argument("--model", default=d.model, choices=sorted(MODEL_SIZES))
+    p.add_argument("--model", default=d.model, choices=MODELS,
+                   help="gpt-11m / gpt-tiny (vescale's reference GPT) or an unmodified transformers model")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -389,12 +451,17 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         cfg.dims = parse_mesh_spec(cfg.mesh)
     except ValueError as exc:
         p.error(str(exc))
+    unsupported = sorted(set(cfg.dims) - {"pp", "dp", "tp"})
+    if unsupported:
+        p.error(f"--mesh {cfg.mesh}: dimension(s) {unsupported} are not supported by train.py (use pp, dp, tp)")
     return cfg
 
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
     world = math.prod(cfg.dims.values())
+    # Checked here, before any rank starts, so a bad mesh is one clear message rather than one per rank.
+    check_fits(cfg, model_spec(cfg.model), *(cfg.dims.get(n, 1) for n in ("pp", "dp", "tp")))
     if "WORLD_SIZE" in os.environ:  # under torchrun: join its ranks
         init_distributed()
         if dist.get_world_size() != world:
