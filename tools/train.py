@@ -82,8 +82,9 @@ def build_model(name: str) -> torch.nn.Module:
     import transformers
 
     config_cls, model_cls, fields = HF_MODELS[name]
-    config = getattr(transformers, config_cls)(**fields, use_cache=False, tie_word_embeddings=False)
-    config._attn_implementation = "eager"  # plain matmul attention: what DTensor shards op by op
+    # Eager attention: torch's CPU SDPA kernel has no DTensor sharding rule; matmul attention shards op by op.
+    config = getattr(transformers, config_cls)(**fields, use_cache=False, tie_word_embeddings=False,
+                                               attn_implementation="eager")
     return getattr(transformers, model_cls)(config)
 
 
@@ -93,6 +94,20 @@ def plan_for(name: str, tp_mesh, sequence_parallel: bool) -> dict:
 
     family = name.split("-")[0]
     return getattr(plans, f"{family}_plan")(tp_mesh, dp=None, sequence_parallel=sequence_parallel)
+
+
+def stage_parallel(stage: torch.nn.Module, tp_mesh, plan: dict) -> torch.nn.Module:
+    """Tensor-parallelize one graph-captured pipeline stage with the parameter entries of ``plan`` it holds.
+
+    A captured stage has no submodules to hang forward entries on, so activations enter and leave it replicated and
+    DTensor propagates the shardings op by op inside (Megatron's column/row pattern gives the same collectives).
+    """
+    from vescale.core.fqn import match_plan
+    from vescale.parallel import parallelize_module
+
+    names = [n for n, _ in stage.named_parameters()]
+    used = {m.pattern for m in match_plan(plan["parameter"], names, allow_unmatched=True).values()}
+    return parallelize_module(stage, tp_mesh, {"parameter": {k: v for k, v in plan["parameter"].items() if k in used}})
 
 
 def language_model_loss(output, targets: torch.Tensor) -> torch.Tensor:
@@ -169,7 +184,7 @@ class Trainer:
     """The model as this rank holds it, and one training step over a global batch."""
 
     def __init__(self, cfg: TrainConfig, mesh) -> None:
-        from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+        from vescale.parallel import DistributedDataParallel, DistributedOptimizer, parallelize_module
 
         self.cfg, self.mesh = cfg, mesh
         self.pp, self.dp, self.tp = (dim_size(mesh, n) for n in ("pp", "dp", "tp"))
@@ -179,10 +194,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # every rank builds the same full model, the single-device reference init
         model = build_model(cfg.model)
         self.num_params = sum(p.numel() for p in model.parameters())
-        if self.tp > 1:
-            from vescale.parallel import parallelize_module
-
-            tp_mesh = sub_mesh(mesh, "tp")
+        tp_mesh = sub_mesh(mesh, "tp") if self.tp > 1 else None
+        if tp_mesh is not None and self.pp == 1:
             model = parallelize_module(model, tp_mesh, plan_for(cfg.model, tp_mesh, cfg.sequence_parallel))
         self.model = model
         self.engine = None
@@ -191,6 +204,8 @@ class Trainer:
 
             mb = cfg.batch_size // self.dp // self.microbatches
             stages = split(model, num_stages=self.pp, example_inputs=(torch.zeros(mb, cfg.seq_len, dtype=torch.long),))
+            if tp_mesh is not None:
+                stages = [stage_parallel(stage, tp_mesh, plan_for(cfg.model, tp_mesh, False)) for stage in stages]
             self.engine = PipeEngine(stages, sub_mesh(mesh, "pp"), schedule=cfg.schedule,
                                      num_microbatches=self.microbatches, loss_fn=language_model_loss,
                                      dp_group=sub_mesh(mesh, "dp").get_group() if self.dp > 1 else None)
