@@ -1,10 +1,48 @@
 """vescale.dtensor: PyTorch's DTensor plus what it lacks.
 
-Scope (being built): interleaved and ragged placements, a counter-based RNG that makes sharded init and dropout
-bitwise equal to one device, deferred (meta-device) init that materialises only local shards, and a strict mode that
-forbids implicit resharding. Built on ``torch.distributed.tensor``, never a fork of it.
+``DTensor``, ``DeviceMesh``, ``init_device_mesh``, ``Shard``, ``Replicate`` and ``Partial`` are torch's own objects,
+re-exported. vescale adds :class:`InterleavedShard` and :class:`RaggedShard`, a :func:`from_local` that checks uneven
+shards, the counter-based RNG in :mod:`vescale.dtensor.random`, deferred (meta-device) init with sharded
+materialisation, and a :func:`strict` mode that forbids implicit resharding. Built on ``torch.distributed.tensor``,
+never a fork of it.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from vescale.dtensor import random
+from vescale.dtensor.api import distribute_tensor, from_local, full_tensor, redistribute
+from vescale.dtensor.deferred import deferred_init, is_deferred, materialize
+from vescale.dtensor.errors import DeferredInitError, PlacementError, StrictRedistributeError
+from vescale.dtensor.placements import InterleavedShard, RaggedShard, as_interleaved, is_interleaved
+from vescale.dtensor.strict import CommCounter, count_comms, is_strict, strict
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "init_device_mesh",
+    "distribute_tensor",
+    "from_local",
+    "redistribute",
+    "full_tensor",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "InterleavedShard",
+    "RaggedShard",
+    "is_interleaved",
+    "as_interleaved",
+    "deferred_init",
+    "materialize",
+    "is_deferred",
+    "strict",
+    "is_strict",
+    "count_comms",
+    "CommCounter",
+    "random",
+    "PlacementError",
+    "StrictRedistributeError",
+    "DeferredInitError",
+]

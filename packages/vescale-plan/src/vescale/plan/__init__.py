@@ -1,9 +1,20 @@
 """vescale.plan: automatic TP/SP/PP plans and mesh choice for unmodified models.
 
-Scope (being built): derive a ``parallelize_module`` plan from a model's structure, choose the mesh, ZeRO stage and
-pipeline split with a cost model, and explain every choice.
+:func:`auto_plan` derives a ``parallelize_module`` plan from a model's traced structure on the meta device;
+:func:`explain` prints it with the reason behind every placement; :func:`auto_parallelize` chooses the mesh, ZeRO
+stage and pipeline split with a cost model and applies them.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from vescale.plan.auto_parallelize import ParallelReport, auto_parallelize, choose_parallelism
+from vescale.plan.auto_plan import AutoPlan, Decision, auto_plan, plan_from_trace
+from vescale.plan.comm import CommCounter
+from vescale.plan.cost import CostEstimate, HardwareModel, estimate
+from vescale.plan.explain import explain
+from vescale.plan.pipeline import PipelineSplit, pipeline_split
+from vescale.plan.trace import ModelTrace, TraceError, trace_model
+
+__all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace", "explain", "auto_parallelize",
+           "choose_parallelism", "ParallelReport", "CostEstimate", "HardwareModel", "estimate", "PipelineSplit",
+           "pipeline_split", "CommCounter", "trace_model", "ModelTrace", "TraceError"]

@@ -1,0 +1,343 @@
+"""``save``: plan who writes which box, snapshot, write one safetensors file per writing rank, commit metadata.
+
+Every rank describes the boxes it holds; identical boxes held by several ranks (replicas) are written once, by the
+holder with the fewest bytes assigned so far, largest boxes first, so writing is spread evenly. The plan is cached
+and reused while the state keeps the same structure (a one-integer all-reduce confirms it on every rank). An async
+save snapshots the boxes this rank writes into a reused host buffer (pinned when on GPU) and returns; a background
+thread writes, gathers the shard records and lets rank 0 commit ``metadata.json`` last, which makes the checkpoint
+visible atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import threading
+import traceback
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vescale.checkpoint import _values
+from vescale.checkpoint._comm import Comm, io_threads
+from vescale.checkpoint._layout import Piece, is_dtensor, local_pieces
+from vescale.checkpoint._state import Flat, flatten
+from vescale.checkpoint._storage import Storage
+from vescale.checkpoint.errors import CheckpointError
+from vescale.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    data_file_name,
+    dtype_name,
+    safetensors_header,
+)
+from vescale.core.errors import VescaleError
+
+__all__ = ["save", "SaveHandle"]
+
+_COMPRESS_MIN_BYTES = 4096
+_ALIGN = 64  # staging slots start on cache-line boundaries, so that every dtype view is aligned
+_DATA_FILE = re.compile(r"data-([0-9a-f]+)-r\d+\.safetensors")
+
+
+class SaveHandle:
+    """A save in progress (async) or finished. ``wait()`` blocks until it is committed and re-raises its error."""
+
+    def __init__(self, path: str, thread: threading.Thread | None = None) -> None:
+        self.path = path
+        self._thread = thread
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is committed on every rank; raise what the save raised."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint save to {self.path} still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class _Job:
+    key: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    dtype: torch.dtype
+    source: torch.Tensor
+
+
+@dataclass
+class _Plan:
+    signature: str
+    mine: list[tuple[str, tuple[int, ...]]]   # (key, offsets) this rank writes, in file order
+    tensors: dict[str, dict[str, Any]]          # key -> {"dtype", "shape"}
+    staging: torch.Tensor | None = None
+
+
+_pending: SaveHandle | None = None
+_cached: _Plan | None = None
+
+
+def describe(flat: Flat, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, list[Piece]],
+                                                                     dict[str, torch.dtype]]:
+    """Per key: [dtype name, global shape, boxes held here] (what ranks exchange), the local pieces, the dtypes."""
+    desc, pieces, dtypes = {}, {}, {}
+    entries = [(k, list(t.shape), t.dtype, local_pieces(t, k)) for k, t in tensors.items()]
+    entries += [(k, shape, dtype, ps) for k, (shape, dtype, ps) in flat.boxes.items()]
+    for key, shape, dtype, ps in entries:
+        pieces[key] = ps
+        dtypes[key] = dtype
+        desc[key] = [dtype_name(dtype, key), shape, [[list(p.offsets), list(p.lengths)] for p in ps]]
+    return desc, pieces, dtypes
+
+
+def _assign_writers(descs: list[dict[str, Any]], rank: int) -> tuple[list, dict]:
+    """The (key, offsets) boxes ``rank`` writes and the global tensor table; identical on every rank."""
+    tensors: dict[str, dict[str, Any]] = {}
+    holders: dict[tuple[str, tuple, tuple], list[int]] = {}
+    problems = []
+    for r, desc in enumerate(descs):
+        for key, (dt, shape, boxes) in desc.items():
+            info = tensors.setdefault(key, {"dtype": dt, "shape": shape})
+            if (info["dtype"], info["shape"]) != (dt, shape):
+                problems.append(f"{key}: rank {r} has {dt}{shape}, another rank {info['dtype']}{info['shape']}")
+            for offs, lens in boxes:
+                holders.setdefault((key, tuple(offs), tuple(lens)), []).append(r)
+    if problems:
+        raise CheckpointError("ranks disagree on the global dtype/shape of saved tensors:\n  " + "\n  ".join(problems))
+    covered: dict[str, int] = {}
+    for key, _, lens in holders:
+        n = 1
+        for x in lens:
+            n *= x
+        covered[key] = covered.get(key, 0) + n
+    for key, info in tensors.items():
+        total = 1
+        for x in info["shape"]:
+            total *= x
+        if covered.get(key, 0) != total and total:
+            raise CheckpointError(f"tensor {key!r} of shape {info['shape']}: the ranks' shards cover "
+                                  f"{covered.get(key, 0)} of {total} elements (overlapping or missing shards)")
+    load = [0] * len(descs)
+    mine = []
+    itemsize = {k: torch.empty(0, dtype=_dtype(v["dtype"])).element_size() for k, v in tensors.items()}
+    order = sorted(holders, key=lambda b: (-_numel(b[2]) * itemsize[b[0]], b[0], b[1]))
+    for box in order:
+        writer = min(holders[box], key=lambda r: (load[r], r))
+        load[writer] += _numel(box[2]) * itemsize[box[0]]
+        if writer == rank:
+            mine.append((box[0], box[1]))
+    return mine, tensors
+
+
+def _dtype(name: str) -> torch.dtype:
+    from vescale.checkpoint.format import dtype_from_name
+
+    return dtype_from_name(name)
+
+
+def _numel(lengths: tuple[int, ...]) -> int:
+    n = 1
+    for x in lengths:
+        n *= x
+    return n
+
+
+def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = False, compress: bool = False,
+         storage_options: dict[str, Any] | None = None, threads: int | None = None) -> SaveHandle:
+    """Save ``state`` to the checkpoint directory ``path`` (local path or fsspec URL); collective over all ranks.
+
+    ``state`` maps names to modules, optimizers, tensors/DTensors, JSON-able values or stateful objects (see
+    :mod:`vescale.checkpoint`). Plain tensors are taken to be replicated: one copy is written. With
+    ``async_save=True`` it returns once this rank's data is snapshotted to host memory; the returned handle's
+    ``wait()`` blocks until the checkpoint is committed (a later ``save`` or ``load`` waits for it first).
+    ``compress=True`` stores each tensor zstd-compressed. ``threads``: I/O threads per rank (default: the host's
+    CPUs divided among its ranks, 1 to 8). The checkpoint becomes visible only when complete; a
+    previous checkpoint at ``path`` stays loadable until then and its data files are deleted after.
+    """
+    global _pending, _cached
+    wait_pending()
+    comm = Comm()
+    error: Exception | None = None
+    signature = ""
+    try:
+        flat = flatten(state)
+        tensors = {k: _materialize(t) for k, t in flat.tensors.items()}
+        values = {k: _values.encode(v, k) for k, v in flat.values.items()}
+        desc, pieces, dtypes = describe(flat, tensors)
+        signature = json.dumps([comm.world, desc], separators=(",", ":"))
+    except (TypeError, ValueError, VescaleError) as exc:  # bad input: every rank must learn of it, none may hang
+        error = exc
+    miss, nonce, failed = comm.all_reduce_max([int(_cached is None or _cached.signature != signature),
+                                               random.getrandbits(62), int(error is not None)])
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"save to {os.fspath(path)} aborted: another rank rejected its state (see its error)")
+    if miss:
+        mine, table = _assign_writers(comm.all_gather_json(desc), comm.rank)
+        _cached = _Plan(signature, mine, table)
+    plan = _cached
+    by_box = {(k, p.offsets): p for k, ps in pieces.items() for p in ps}
+    jobs = []
+    for key, offs in plan.mine:
+        piece = by_box[(key, tuple(offs))]
+        jobs.append(_Job(key, piece.offsets, piece.lengths, dtypes[key], piece.view))
+    save_id = f"{nonce:016x}"
+    storage = Storage(path, storage_options)
+    storage.makedirs()
+    if async_save:
+        _snapshot(plan, jobs)
+    else:
+        for job in jobs:
+            if job.source.device.type != "cpu" or not job.source.is_contiguous():
+                job.source = job.source.to("cpu", copy=False).contiguous()
+    handle = SaveHandle(storage.url)
+    args = (handle, comm, storage, save_id, jobs, values, plan.tensors, compress, threads)
+    if not async_save:
+        _finish(*args)
+        handle.wait()
+        return handle
+    thread = threading.Thread(target=_finish, args=args, name="vescale-checkpoint-save", daemon=True)
+    handle._thread = thread
+    _pending = handle
+    thread.start()
+    return handle
+
+
+def wait_pending() -> None:
+    """Wait for this process's async save in flight, if any (``save`` and ``load`` call it first)."""
+    global _pending
+    if _pending is not None:
+        handle, _pending = _pending, None
+        handle.wait()
+
+
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    """A Partial DTensor is reduced to Replicate so that what is saved is the tensor's value."""
+    if is_dtensor(t) and any(p.is_partial() for p in t.placements):
+        from torch.distributed.tensor import Replicate
+
+        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+    return t.detach()
+
+
+def _snapshot(plan: _Plan, jobs: list[_Job]) -> None:
+    """Copy the boxes this rank writes into the plan's reused host buffer (pinned when on GPU)."""
+    sizes = [-(-_numel(j.lengths) * j.source.element_size() // _ALIGN) * _ALIGN for j in jobs]
+    total = sum(sizes)
+    if plan.staging is None or plan.staging.numel() != total:
+        pin = torch.cuda.is_available() and any(j.source.is_cuda for j in jobs)
+        plan.staging = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    offset = 0
+    for job, size in zip(jobs, sizes):
+        nbytes = _numel(job.lengths) * job.source.element_size()
+        dst = plan.staging[offset:offset + nbytes].view(job.dtype).view(job.lengths)
+        dst.copy_(job.source, non_blocking=True)
+        job.source = dst
+        offset += size
+    if torch.cuda.is_available() and any(j.source.is_cuda for j in jobs):
+        torch.cuda.synchronize()
+
+
+def _write(storage: Storage, name: str, jobs: list[_Job], compress: bool, pool: ThreadPoolExecutor) -> list[dict]:
+    """Write this rank's data file; return one shard record per job."""
+    raws = [memoryview(j.source.reshape(-1).view(torch.uint8).numpy()) for j in jobs]
+    codecs = ["raw"] * len(jobs)
+    if compress:
+        import zstandard
+
+        def squeeze(raw: memoryview):
+            return memoryview(zstandard.ZstdCompressor(level=1).compress(raw)) if raw.nbytes >= _COMPRESS_MIN_BYTES \
+                else None
+
+        for i, packed in enumerate(pool.map(squeeze, raws)):
+            if packed is not None and packed.nbytes < raws[i].nbytes:
+                raws[i], codecs[i] = packed, "zstd"
+    entries = []
+    for job, raw, codec in zip(jobs, raws, codecs):
+        tag = f"{job.key}@{','.join(map(str, job.offsets))}"
+        if codec == "raw":
+            entries.append((tag, job.dtype, list(job.lengths), raw.nbytes))
+        else:
+            entries.append((tag, torch.uint8, [raw.nbytes], raw.nbytes))
+    header, starts = safetensors_header(entries)
+    crcs = list(pool.map(zlib.crc32, raws))
+    storage.write_file(name, header, raws, pool)
+    return [{"key": j.key, "offsets": list(j.offsets), "lengths": list(j.lengths), "file": name, "start": s,
+             "end": s + raw.nbytes, "codec": codec, "crc32": crc}
+            for j, raw, codec, s, crc in zip(jobs, raws, codecs, starts, crcs)]
+
+
+def _finish(handle: SaveHandle, comm: Comm, storage: Storage, save_id: str, jobs: list[_Job], values: dict,
+            tensors: dict, compress: bool, threads: int | None) -> None:
+    """Write, gather the records on every rank, commit on rank 0, and agree on the outcome (collective)."""
+    records: list[dict] = []
+    error = None
+    name = data_file_name(save_id, comm.rank)
+    size = 0
+    try:
+        if jobs:
+            with ThreadPoolExecutor(io_threads(threads, comm)) as pool:
+                records = _write(storage, name, jobs, compress, pool)
+            size = storage.size(name)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised
+        error = f"rank {comm.rank} failed writing {storage.where(name)}: {exc!r}\n{traceback.format_exc()}"
+    try:
+        gathered = comm.all_gather_json({"records": records, "values": values, "error": error,
+                                         "file": [name, size] if jobs else None})
+        errors = [g["error"] for g in gathered if g["error"]]
+        status = b""
+        if comm.rank == 0:
+            if errors:
+                status = errors[0].encode()
+            else:
+                try:
+                    _commit(storage, save_id, comm.world, gathered, tensors)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank
+                    status = f"rank 0 failed to commit {storage.where(METADATA_FILE)}: {exc!r}".encode()
+        status = comm.broadcast_bytes(status, 0)
+        if status:
+            raise CheckpointError(f"saving {storage.url} failed: {status.decode()}")
+        if comm.rank == 0:  # the new checkpoint is committed: the previous save's files can go (others go on)
+            _remove_stale(storage, save_id)
+    except BaseException as exc:  # noqa: BLE001 - kept for wait()
+        handle.error = exc
+
+
+def _commit(storage: Storage, save_id: str, world: int, gathered: list[dict], tensors: dict) -> None:
+    meta_tensors = {key: {"dtype": info["dtype"], "shape": info["shape"], "shards": []}
+                    for key, info in sorted(tensors.items())}
+    values: dict[str, Any] = {}
+    files = {}
+    for g in gathered:
+        for rec in g["records"]:
+            key = rec.pop("key")
+            meta_tensors[key]["shards"].append(rec)
+        for key, v in g["values"].items():
+            values.setdefault(key, v)
+        if g["file"]:
+            files[g["file"][0]] = {"size": g["file"][1]}
+    for info in meta_tensors.values():
+        info["shards"].sort(key=lambda s: s["offsets"])
+    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "save_id": save_id, "world_size": world,
+            "files": files, "tensors": meta_tensors, "values": dict(sorted(values.items()))}
+    storage.write_atomic(METADATA_FILE, json.dumps(meta, separators=(",", ":")).encode())
+
+
+def _remove_stale(storage: Storage, save_id: str) -> None:
+    """Delete data files of other saves and leftover temporary metadata in the checkpoint directory."""
+    for name in storage.names():
+        m = _DATA_FILE.fullmatch(name)
+        if (m and m.group(1) != save_id) or (name.startswith(f".{METADATA_FILE}.") and name.endswith(".tmp")):
+            storage.remove(name)

@@ -1,0 +1,58 @@
+"""Lossless JSON encoding of the non-tensor values a state holds (step counters, scheduler state, config).
+
+Plain JSON covers str, int, float, bool, None, lists and str-keyed dicts. Three tagged forms cover the rest that
+``state_dict()`` methods commonly return, so a value loads back with its Python type: ``{"__tuple__": [...]}``,
+``{"__dict__": [[key, value], ...]}`` for dicts with non-str keys, ``{"__float__": "nan" | "inf" | "-inf"}``.
+Anything else raises ``TypeError`` naming the key: nothing in a checkpoint is ever unpickled or executed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_TAGS = ("__tuple__", "__dict__", "__float__")
+
+
+def encode(value: Any, key: str) -> Any:
+    """JSON-ready form of ``value``; ``key`` names it in errors."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"__float__": repr(float(value))}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, f"{key}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not any(k in _TAGS for k in value):
+            return {k: encode(v, f"{key}.{k}") for k, v in value.items()}
+        return {"__dict__": [[encode(k, key), encode(v, f"{key}.{k}")] for k, v in value.items()]}
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return encode(value.item(), key)  # numpy scalars (np.float64, np.int64, np.bool_)
+    raise TypeError(f"state value {key!r} of type {type(value).__name__} cannot be stored in a checkpoint: "
+                    "use tensors, JSON-able values (str, int, float, bool, None, list, tuple, dict) or objects "
+                    "with state_dict()/load_state_dict()")
+
+
+def decode(value: Any) -> Any:
+    """Inverse of :func:`encode`."""
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            (tag, inner), = value.items()
+            if tag == "__tuple__":
+                return tuple(decode(v) for v in inner)
+            if tag == "__dict__":
+                return {_hashable(decode(k)): decode(v) for k, v in inner}
+            if tag == "__float__":
+                return float(inner)
+        return {k: decode(v) for k, v in value.items()}
+    return value
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key

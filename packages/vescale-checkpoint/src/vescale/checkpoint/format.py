@@ -1,0 +1,100 @@
+"""The on-disk format, version 1: a directory of safetensors data files plus one JSON metadata file.
+
+A checkpoint at ``PATH`` is::
+
+    PATH/metadata.json                          written last: the checkpoint exists once this file does
+    PATH/data-<save_id>-r<rank>.safetensors     one per writing rank, valid safetensors files
+
+``metadata.json``::
+
+    {"format": "vescale-checkpoint", "version": 1, "save_id": "<hex>", "world_size": 4,
+     "files":   {"data-<id>-r00000.safetensors": {"size": <bytes>}, ...},
+     "tensors": {"<key>": {"dtype": "float32", "shape": [8, 16],
+                           "shards": [{"offsets": [0, 0], "lengths": [4, 16], "file": "data-...",
+                                       "start": <byte>, "end": <byte>, "codec": "raw" | "zstd",
+                                       "crc32": <int>}, ...]}, ...},
+     "values":  {"<key>": <JSON value, tagged as in vescale.checkpoint._values>, ...}}
+
+Each shard is a box of the global tensor (``offsets``/``lengths`` per dimension, row-major bytes) stored once, in
+the data file's byte range ``[start, end)``; the shards of a tensor tile it exactly. ``codec == "zstd"`` stores the
+box's bytes zstd-compressed (as a ``U8`` safetensors entry). ``crc32`` is over the stored bytes. Keys are the dotted
+paths of the saved state (``model.layers.0.w.weight``, ``optim.state.layers.0.w.exp_avg``, ``step``). Nothing is
+pickled: reading a checkpoint never runs code.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from vescale.checkpoint.errors import CorruptCheckpointError
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "data_file_name", "dtype_name", "dtype_from_name",
+           "safetensors_header"]
+
+FORMAT_NAME = "vescale-checkpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+
+_DTYPES: dict[torch.dtype, tuple[str, str]] = {  # torch dtype -> (metadata name, safetensors name)
+    torch.float64: ("float64", "F64"), torch.float32: ("float32", "F32"), torch.float16: ("float16", "F16"),
+    torch.bfloat16: ("bfloat16", "BF16"), torch.int64: ("int64", "I64"), torch.int32: ("int32", "I32"),
+    torch.int16: ("int16", "I16"), torch.int8: ("int8", "I8"), torch.uint8: ("uint8", "U8"),
+    torch.bool: ("bool", "BOOL"), torch.float8_e4m3fn: ("float8_e4m3fn", "F8_E4M3"),
+    torch.float8_e5m2: ("float8_e5m2", "F8_E5M2"), torch.complex64: ("complex64", "C64"),
+    torch.uint16: ("uint16", "U16"), torch.uint32: ("uint32", "U32"), torch.uint64: ("uint64", "U64"),
+}
+_BY_NAME = {name: dt for dt, (name, _) in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype, key: str = "") -> str:
+    """Metadata name of ``dtype`` (``"bfloat16"``); ``TypeError`` naming ``key`` for dtypes the format lacks."""
+    try:
+        return _DTYPES[dtype][0]
+    except KeyError:
+        raise TypeError(f"tensor {key!r} has dtype {dtype}, which vescale checkpoints cannot store") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in checkpoint metadata") from None
+
+
+def data_file_name(save_id: str, rank: int) -> str:
+    """Name of the data file rank ``rank`` writes in save ``save_id``."""
+    return f"data-{save_id}-r{rank:05d}.safetensors"
+
+
+def safetensors_header(entries: list[tuple[str, torch.dtype, list[int], int]]) -> tuple[bytes, list[int]]:
+    """Header bytes of a safetensors file holding ``entries`` (name, dtype, shape, nbytes) back to back.
+
+    Returns the header (8-byte length prefix, JSON, space padding to 8 bytes) and each entry's absolute start
+    offset in the file.
+    """
+    table: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        table[name] = {"dtype": _DTYPES[dtype][1], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    body = json.dumps(table, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    header = len(body).to_bytes(8, "little") + body
+    return header, [len(header) + table[name]["data_offsets"][0] for name, *_ in entries]
+
+
+def check_metadata(meta: Any, where: str) -> dict[str, Any]:
+    """Validate the top level of a parsed ``metadata.json``; raise :class:`CorruptCheckpointError` naming ``where``."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where} is not vescale-checkpoint metadata")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{where} has format version {meta.get('version')}; this vescale.checkpoint "
+                                     f"reads version {FORMAT_VERSION}")
+    for field in ("files", "tensors", "values"):
+        if not isinstance(meta.get(field), dict):
+            raise CorruptCheckpointError(f"{where} lacks the {field!r} table")
+    return meta

@@ -1,0 +1,66 @@
+"""``inspect`` and ``verify``: read a checkpoint's metadata, and check every stored byte against it."""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vescale.checkpoint._reader import read_metadata, read_shard, shard_nbytes, tensor_dtype
+from vescale.checkpoint._storage import Storage
+from vescale.checkpoint.errors import CorruptCheckpointError
+
+__all__ = ["inspect", "verify"]
+
+
+def inspect(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Summary of a checkpoint: format version, world size, files, and per key its dtype, shape and shard count."""
+    meta = read_metadata(Storage(path, storage_options))
+    return {
+        "format": meta["format"], "version": meta["version"], "save_id": meta["save_id"],
+        "world_size": meta["world_size"],
+        "bytes": sum(f["size"] for f in meta["files"].values()), "files": len(meta["files"]),
+        "tensors": {k: {"dtype": v["dtype"], "shape": v["shape"], "shards": len(v["shards"]),
+                        "codecs": sorted({s["codec"] for s in v["shards"]})} for k, v in meta["tensors"].items()},
+        "values": sorted(meta["values"]),
+    }
+
+
+def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None, threads: int = 4
+           ) -> dict[str, Any]:
+    """Check a checkpoint completely: files present with the recorded sizes, every shard's checksum, and shards
+    tiling each tensor. Returns ``{"files", "tensors", "bytes"}``; raises :class:`CorruptCheckpointError` listing
+    every problem, each naming its file."""
+    storage = Storage(path, storage_options)
+    meta = read_metadata(storage)
+    problems: list[str] = []
+    for name, info in sorted(meta["files"].items()):
+        size = storage.size(name)
+        if size is None:
+            problems.append(f"checkpoint data file {storage.where(name)} is missing")
+        elif size != info["size"]:
+            problems.append(f"checkpoint data file {storage.where(name)} is {size} bytes, expected {info['size']} "
+                            "(truncated or overwritten)")
+    jobs = []
+    for key, info in meta["tensors"].items():
+        covered = sum(math.prod(s["lengths"]) for s in info["shards"])
+        if covered != math.prod(info["shape"]):
+            problems.append(f"tensor {key!r}: shards cover {covered} of {math.prod(info['shape'])} elements")
+        jobs += [(key, tensor_dtype(info), shard) for shard in info["shards"]]
+
+    def check(job) -> str | None:
+        key, dtype, shard = job
+        try:
+            read_shard(storage, shard, dtype, verify=True)
+        except CorruptCheckpointError as exc:
+            return f"{exc} (tensor {key!r})"
+        return None
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        problems += sorted({p for p in pool.map(check, jobs) if p})
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {storage.url} failed verification ({len(problems)} problems):\n  "
+                                     + "\n  ".join(problems))
+    return {"files": len(meta["files"]), "tensors": len(meta["tensors"]),
+            "bytes": sum(shard_nbytes(s) for _, _, s in jobs)}

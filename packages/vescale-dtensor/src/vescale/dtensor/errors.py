@@ -1,0 +1,19 @@
+"""Errors raised by vescale.dtensor; each names the tensor, shape, placement or mesh dim involved."""
+
+from __future__ import annotations
+
+from vescale.core.errors import VescaleError
+
+__all__ = ["PlacementError", "StrictRedistributeError", "DeferredInitError"]
+
+
+class PlacementError(VescaleError, ValueError):
+    """A placement does not fit the tensor or mesh it is used with (shape, dim, divisibility, local shape)."""
+
+
+class StrictRedistributeError(VescaleError, RuntimeError):
+    """Under :func:`vescale.dtensor.strict`, an op would have redistributed an input implicitly."""
+
+
+class DeferredInitError(VescaleError, RuntimeError):
+    """A deferred module cannot be materialised as asked (unknown FQN, bad placements, unsupported init op)."""

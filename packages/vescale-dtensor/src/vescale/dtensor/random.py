@@ -1,0 +1,412 @@
+"""Counter-based random numbers that do not depend on how a tensor is sharded.
+
+Every value is a pure function of ``(seed, call sequence number, global element index)`` computed with Philox4x32-10
+(:mod:`vescale.dtensor._philox`), so a DTensor of any placement (``Shard``, uneven, ``InterleavedShard``,
+``RaggedShard``, 2-d meshes) gets, on each rank and with no communication, exactly the slice of the values the same
+call gives a plain tensor on one process. The reference is the same vescale call on one process: a plain tensor
+inside :func:`single_device` (or a world size of 1). The values differ from ``torch.manual_seed``'s generator.
+
+How calls are intercepted:
+
+* After :func:`manual_seed`, the random aten ops of **every DTensor** (``uniform_``, ``normal_``, ``bernoulli_``,
+  ``bernoulli``, ``random_``, ``native_dropout``, ``rand_like``, ``randn_like``, ``randint_like``) use this scheme,
+  through torch's DTensor custom-op-handler table. Hence ``torch.nn.init.*`` (``normal_``, ``uniform_``,
+  ``trunc_normal_``, ``kaiming_*``, ``xavier_*``) and ``F.dropout`` on DTensors follow it without code changes.
+* Inside ``with single_device():`` (a ``TorchDispatchMode``) the same ops on **plain tensors** use it too, as do
+  factory calls ``torch.rand/randn/randint``. This is the single-device reference, and what deferred init replays.
+* :func:`rand`, :func:`randn`, :func:`randint` build DTensors (``device_mesh=``, ``placements=``) or plain tensors.
+
+The sequence number advances by one per call on every rank: ranks must make the same random calls in the same order
+(SPMD), which is what makes the scheme communication free. ``orthogonal_`` and ``sparse_`` of ``torch.nn.init`` are
+not supported on sharded tensors (they need the whole matrix).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vescale.dtensor._philox import MASK32, philox4x32
+from vescale.dtensor.errors import PlacementError
+from vescale.dtensor.layout import global_flat_index
+
+__all__ = ["manual_seed", "initial_seed", "get_state", "set_state", "single_device", "rand", "randn", "randint",
+           "normal_", "uniform_", "bernoulli_", "dropout", "is_installed", "uninstall", "fill_random"]
+
+aten = torch.ops.aten
+
+_seed: int = 0
+_seq: int = 0
+_installed: bool = False
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the counter-based generator, reset the call sequence to 0, and route DTensor random ops to it."""
+    global _seed, _seq
+    _seed = int(seed) & ((1 << 64) - 1)
+    _seq = 0
+    _install()
+
+
+def initial_seed() -> int:
+    """The seed set by the last :func:`manual_seed`."""
+    return _seed
+
+
+def get_state() -> tuple[int, int]:
+    """``(seed, next call sequence number)``; restore it with :func:`set_state`."""
+    return _seed, _seq
+
+
+def set_state(state: tuple[int, int]) -> None:
+    """Restore a state from :func:`get_state` (the seed and the next call sequence number)."""
+    global _seed, _seq
+    _seed, _seq = int(state[0]), int(state[1])
+
+
+def _next_seq() -> int:
+    global _seq
+    s = _seq
+    _seq += 1
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------- value kernels
+
+_MANTISSA = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def _words(index: torch.Tensor, seq: int, seed: int):
+    return philox4x32(index & MASK32, index >> 32, seq & MASK32, (seq >> 32) & MASK32, seed & MASK32,
+                      (seed >> 32) & MASK32)
+
+
+def _unit(hi: torch.Tensor, lo: torch.Tensor, bits: int) -> torch.Tensor:
+    """Uniform in [0, 1) with ``bits`` random bits (<= 53), exact in float64."""
+    if bits <= 32:
+        return (hi >> (32 - bits)).to(torch.float64) * (2.0 ** -bits)
+    return ((hi << (bits - 32)) | (lo >> (64 - bits))).to(torch.float64) * (2.0 ** -bits)
+
+
+def uniform_values(index: torch.Tensor, seq: int, seed: int, low: float, high: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Uniform values in ``[low, high)`` for global element ``index`` (float64 math, cast to ``dtype``)."""
+    w0, w1, _, _ = _words(index, seq, seed)
+    u = _unit(w0, w1, _MANTISSA.get(dtype, 53))
+    return (u * (high - low) + low).to(dtype)
+
+
+def normal_values(index: torch.Tensor, seq: int, seed: int, mean: float, std: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Normal values (Box-Muller on 53-bit uniforms, float64 math, cast to ``dtype``) for global ``index``."""
+    w0, w1, w2, w3 = _words(index, seq, seed)
+    u1 = 1.0 - _unit(w0, w1, 53)  # (0, 1]: log is finite
+    u2 = _unit(w2, w3, 53)
+    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+    return (z * std + mean).to(dtype)
+
+
+def randint_values(index: torch.Tensor, seq: int, seed: int, low: int, high: int, dtype: torch.dtype) -> torch.Tensor:
+    """Integers uniform in ``[low, high)`` (53-bit multiply-floor; span must be below 2**53)."""
+    span = int(high) - int(low)
+    if span <= 0 or span >= 1 << 53:
+        raise ValueError(f"randint: need 0 < high - low < 2**53, got low={low}, high={high}")
+    w0, w1, _, _ = _words(index, seq, seed)
+    k = torch.floor(_unit(w0, w1, 53) * span).to(torch.int64).clamp_(max=span - 1)
+    return (k + int(low)).to(dtype)
+
+
+def _uniform01(index: torch.Tensor, seq: int, seed: int) -> torch.Tensor:
+    w0, w1, _, _ = _words(index, seq, seed)
+    return _unit(w0, w1, 53)
+
+
+# ------------------------------------------------------------------------------------------------------- targets
+
+def _index_placements(placements: Sequence[Placement], op: str, allow_partial: bool) -> tuple[Placement, ...]:
+    out = []
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            if not allow_partial:
+                raise PlacementError(f"{op}: cannot fill a DTensor with a Partial placement on mesh dim {mesh_dim} "
+                                     f"({tuple(placements)}) with random values; redistribute it first")
+            p = Replicate()
+        out.append(p)
+    return tuple(out)
+
+
+def _index_of(t: torch.Tensor, op: str, allow_partial: bool = False) -> torch.Tensor:
+    """Global flat index of each local element of ``t`` (plain tensor: its own row-major index)."""
+    if isinstance(t, DTensor):
+        spec = t._spec
+        pl = _index_placements(spec.placements, op, allow_partial)
+        idx = global_flat_index(spec.shape, spec.mesh, pl)
+    else:
+        idx = global_flat_index(t.shape)
+    return idx
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def fill_random(target: torch.Tensor, kind: str, *params, seq: int | None = None, seed: int | None = None,
+                index: torch.Tensor | None = None) -> torch.Tensor:
+    """Overwrite ``target`` (plain tensor or DTensor) in place with ``kind`` in ``uniform``/``normal``/``randint``/
+    ``bernoulli`` values; consumes one sequence number unless ``seq`` is given. Returns ``target``.
+
+    ``index`` overrides the global element indices (deferred init passes the indices of a view).
+    """
+    seq = _next_seq() if seq is None else seq
+    seed = _seed if seed is None else seed
+    local = _local(target)
+    if local.is_meta:
+        return target
+    idx = _index_of(target, kind) if index is None else index.view(local.shape)
+    idx = idx.to(local.device)  # generate where the tensor lives (GPU ranks compute their shard on the GPU)
+    dtype = local.dtype
+    if kind == "uniform":
+        vals = uniform_values(idx, seq, seed, float(params[0]), float(params[1]), dtype)
+    elif kind == "normal":
+        vals = normal_values(idx, seq, seed, float(params[0]), float(params[1]), dtype)
+    elif kind == "randint":
+        vals = randint_values(idx, seq, seed, int(params[0]), int(params[1]), dtype)
+    elif kind == "bernoulli":
+        p = params[0]
+        p = _local(p) if isinstance(p, torch.Tensor) else float(p)
+        vals = (_uniform01(idx, seq, seed) < p).to(dtype)
+    else:
+        raise ValueError(f"fill_random: unknown kind {kind!r}")
+    with torch.no_grad():
+        local.copy_(vals.view(local.shape))
+    return target
+
+
+def _random_bounds(t: torch.Tensor, frm, to) -> tuple[int, int]:
+    if to is None:
+        if t.dtype.is_floating_point:
+            to = (1 << _MANTISSA.get(t.dtype, 53)) + 1
+        elif t.dtype == torch.bool:
+            to = 2
+        else:
+            to = min(torch.iinfo(t.dtype).max, (1 << 53) - 1) + 1
+    return int(frm), int(to)
+
+
+def _dropout(x: torch.Tensor, p: float, train: bool | None):
+    """(out, keep mask) of ``native_dropout`` computed exactly as torch's CPU dropout decomposes it
+    (``noise = bernoulli_(1 - p); noise.div_(1 - p); out = x * noise``), so both paths give the same bits."""
+    local = _local(x)
+    if not train or p == 0.0:
+        out_local, keep = local.clone(), torch.ones_like(local, dtype=torch.bool)
+    else:
+        seq = _next_seq()
+        noise = torch.empty_like(local)
+        if not local.is_meta:
+            idx = _index_of(x, "dropout", allow_partial=True).to(local.device)
+            noise.copy_((_uniform01(idx, seq, _seed) < 1.0 - p).view(local.shape))
+        keep = noise != 0
+        noise.div_(1.0 - p) if p < 1.0 else noise.zero_()
+        out_local = local * noise
+    if isinstance(x, DTensor):
+        spec = x._spec
+        return (DTensor(out_local, spec, requires_grad=False),
+                DTensor(keep, _with_dtype(spec, torch.bool), requires_grad=False))
+    return out_local, keep
+
+
+def _with_dtype(spec, dtype: torch.dtype):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = spec.tensor_meta
+    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+
+
+def _like(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    local = _local(x)
+    dtype = dtype or local.dtype
+    out_local = torch.empty(local.shape, dtype=dtype, device=local.device)
+    if isinstance(x, DTensor):
+        spec = x._spec
+        _index_placements(spec.placements, "random *_like", allow_partial=False)
+        return DTensor(out_local, _with_dtype(spec, dtype), requires_grad=False)
+    return out_local
+
+
+def _handle(func, args, kwargs, index: torch.Tensor | None = None):
+    """Run random aten op ``func`` with the counter RNG; NotImplemented for ops it does not cover.
+
+    ``index`` overrides the element indices of an in-place fill (deferred init replaying a write to a view).
+    """
+    kwargs = dict(kwargs or {})
+    kwargs.pop("generator", None)
+    if func is aten.uniform_.default:
+        return fill_random(args[0], "uniform", *(list(args[1:3]) + [kwargs.get("from", 0.0), kwargs.get("to", 1.0)]
+                                                 [len(args[1:3]):]), index=index)
+    if func is aten.normal_.default:
+        return fill_random(args[0], "normal", *(list(args[1:3]) + [kwargs.get("mean", 0.0), kwargs.get("std", 1.0)]
+                                                [len(args[1:3]):]), index=index)
+    if func is aten.bernoulli_.float or func is aten.bernoulli_.Tensor:
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        return fill_random(args[0], "bernoulli", p, index=index)
+    if func is aten.bernoulli.default:
+        out = _like(args[0], None)
+        return fill_random(out, "bernoulli", args[0])
+    if func is aten.bernoulli.p:
+        out = _like(args[0], None)
+        return fill_random(out, "bernoulli", args[1] if len(args) > 1 else kwargs["p"])
+    if func in (aten.random_.default, aten.random_.to, getattr(aten.random_, "from")):
+        t = args[0]
+        if func is aten.random_.default:
+            frm, to = _random_bounds(t, 0, None)
+        elif func is aten.random_.to:
+            frm, to = 0, args[1] if len(args) > 1 else kwargs["to"]
+        else:
+            frm = args[1] if len(args) > 1 else kwargs["from"]
+            to = args[2] if len(args) > 2 else kwargs.get("to")
+            frm, to = _random_bounds(t, frm, to)
+        return fill_random(t, "randint", frm, to, index=index)
+    if func is aten.native_dropout.default:
+        return _dropout(args[0], float(args[1]), args[2] if len(args) > 2 else kwargs.get("train"))
+    if func in (aten.rand_like.default, aten.randn_like.default):
+        out = _like(args[0], kwargs.get("dtype"))
+        kind, params = ("uniform", (0.0, 1.0)) if func is aten.rand_like.default else ("normal", (0.0, 1.0))
+        return fill_random(out, kind, *params)
+    if func is aten.randint_like.default:
+        out = _like(args[0], kwargs.get("dtype"))
+        return fill_random(out, "randint", 0, args[1] if len(args) > 1 else kwargs["high"])
+    if func is aten.randint_like.low_dtype:
+        out = _like(args[0], kwargs.get("dtype"))
+        return fill_random(out, "randint", args[1], args[2])
+    return NotImplemented
+
+
+def _handle_factory(func, args, kwargs):
+    """``torch.rand/randn/randint`` on plain tensors (inside :func:`single_device`)."""
+    kwargs = dict(kwargs or {})
+    kwargs.pop("generator", None)
+    if func in (aten.rand.default, aten.randn.default):
+        out = torch.empty(args[0], dtype=kwargs.get("dtype") or torch.get_default_dtype(), device=kwargs.get("device"))
+        return fill_random(out, "uniform" if func is aten.rand.default else "normal", 0.0, 1.0)
+    if func in (aten.randint.default, aten.randint.low):
+        low, high, size = (0, args[0], args[1]) if func is aten.randint.default else args[:3]
+        out = torch.empty(size, dtype=kwargs.get("dtype") or torch.int64, device=kwargs.get("device"))
+        return fill_random(out, "randint", low, high)
+    return NotImplemented
+
+
+_DTENSOR_OPS = (aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor,
+                aten.bernoulli.default, aten.bernoulli.p, aten.random_.default, aten.random_.to,
+                getattr(aten.random_, "from"), aten.native_dropout.default, aten.rand_like.default,
+                aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype)
+_FACTORY_OPS = (aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low)
+
+
+def _install() -> None:
+    global _installed
+    if not _installed:
+        # torch's own extension point for per-op DTensor behaviour (loss_parallel uses it the same way).
+        DTensor._op_dispatcher._custom_op_handlers.update({op: _handle for op in _DTENSOR_OPS})
+        _installed = True
+
+
+def is_installed() -> bool:
+    """Whether DTensor random ops currently go through the counter RNG."""
+    return _installed
+
+
+def uninstall() -> None:
+    """Give DTensor random ops back to torch's own RNG (until the next :func:`manual_seed`)."""
+    global _installed
+    for op in _DTENSOR_OPS:
+        if DTensor._op_dispatcher._custom_op_handlers.get(op) is _handle:
+            del DTensor._op_dispatcher._custom_op_handlers[op]
+    _installed = False
+
+
+class _SingleDeviceMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _DTENSOR_OPS:
+            out = _handle(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        elif func in _FACTORY_OPS:
+            out = _handle_factory(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def single_device():
+    """Inside, random ops on plain tensors (and DTensors) use the counter RNG: the single-device reference."""
+    with _SingleDeviceMode():
+        yield
+
+
+# ---------------------------------------------------------------------------------------------------- public calls
+
+def _make(size, kind: str, params, device_mesh, placements, dtype, requires_grad: bool) -> torch.Tensor:
+    size = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+    if device_mesh is None:
+        out = torch.empty(size, dtype=dtype)
+    else:
+        from vescale.dtensor.api import from_local
+        from vescale.dtensor.layout import local_shape, validate_placements
+
+        placements = validate_placements(size, device_mesh, placements or (Replicate(),) * device_mesh.ndim,
+                                         what=f"random {kind} tensor")
+        local = torch.empty(local_shape(size, device_mesh, placements), dtype=dtype,
+                            device=device_mesh.device_type)
+        out = from_local(local, device_mesh, placements, shape=size)
+    fill_random(out, kind, *params)
+    return out.requires_grad_(requires_grad)
+
+
+def rand(*size, device_mesh=None, placements: Sequence[Placement] | None = None, dtype: torch.dtype | None = None,
+         requires_grad: bool = False) -> torch.Tensor:
+    """Uniform [0, 1) values of global ``size``: a DTensor with ``placements`` on ``device_mesh``, else plain."""
+    return _make(size, "uniform", (0.0, 1.0), device_mesh, placements, dtype or torch.get_default_dtype(),
+                 requires_grad)
+
+
+def randn(*size, device_mesh=None, placements: Sequence[Placement] | None = None, dtype: torch.dtype | None = None,
+          requires_grad: bool = False) -> torch.Tensor:
+    """Standard normal values of global ``size`` (DTensor with a mesh, else a plain tensor)."""
+    return _make(size, "normal", (0.0, 1.0), device_mesh, placements, dtype or torch.get_default_dtype(),
+                 requires_grad)
+
+
+def randint(low: int, high: int, size: Sequence[int], *, device_mesh=None,
+            placements: Sequence[Placement] | None = None, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Integers uniform in ``[low, high)`` of global ``size`` (DTensor with a mesh, else a plain tensor)."""
+    return _make((tuple(size),), "randint", (low, high), device_mesh, placements, dtype, False)
+
+
+def normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """Fill ``tensor`` (plain or DTensor) with normal values in place; returns it."""
+    return fill_random(tensor, "normal", mean, std)
+
+
+def uniform_(tensor: torch.Tensor, a: float = 0.0, b: float = 1.0) -> torch.Tensor:
+    """Fill ``tensor`` (plain or DTensor) with uniform values in ``[a, b)`` in place; returns it."""
+    return fill_random(tensor, "uniform", a, b)
+
+
+def bernoulli_(tensor: torch.Tensor, p: float | torch.Tensor = 0.5) -> torch.Tensor:
+    """Fill ``tensor`` with 1 with probability ``p`` (a float or a tensor laid out like ``tensor``), else 0."""
+    return fill_random(tensor, "bernoulli", p)
+
+
+def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
+    """``F.dropout`` with the counter RNG, differentiable (plain tensor or DTensor; not ``Partial`` or ragged)."""
+    if not training or p == 0.0:
+        return x
+    with single_device():
+        return torch.nn.functional.dropout(x, p, training=True)

@@ -1,0 +1,139 @@
+"""Gradient-norm clipping over any mix of plain tensors, DTensors, ZeRO shards and pipeline stages.
+
+The norm is the one a single device computes over the whole model: every gradient element counts exactly once.
+
+- A plain tensor's gradient is complete on this rank and identical on the ranks that replicate it (single device,
+  plain DDP): it counts once, with no communication.
+- A DTensor gradient is summed (``|g|^p``) over the mesh dims where it is ``Shard``; ``Replicate`` dims count once;
+  ``Partial`` dims are reduced first.
+- A ZeRO shard (the flat fp32 pieces :class:`~vescale.parallel.DistributedOptimizer` owns) is summed over the dp
+  group, and over the TP dims where its parameter is sharded; :func:`mark_sharded` records that on the tensor.
+- ``pp_group``: each pipeline stage holds different parameters; their partial sums are added over that group.
+
+Collectives: one all-reduce per mesh dim involved (in name order, so every rank agrees), plus one over
+``pp_group``. Every rank of a group must pass the same kinds of parameters (as in torch DDP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+__all__ = ["clip_grad_norm_", "grad_norm", "mark_sharded"]
+
+_SUM_GROUPS = "_vescale_norm_sum_groups"
+
+
+def mark_sharded(tensor: torch.Tensor, groups: Mapping[str, dist.ProcessGroup]) -> torch.Tensor:
+    """Record that ``tensor`` (and its ``.grad``) is a disjoint piece of a larger tensor split over ``groups``.
+
+    ``groups`` maps a mesh-dimension name (``"dp"``, ``"tp"``, ...) to this rank's process group along it; every
+    rank must use the same name for the same dimension. :func:`grad_norm` then sums the piece's ``|g|^p`` over those
+    groups. Returns ``tensor``.
+    """
+    setattr(tensor, _SUM_GROUPS, tuple(sorted(groups.items())))
+    return tensor
+
+
+def _dtensor_groups(t: DTensor) -> tuple[tuple[str, dist.ProcessGroup], ...]:
+    mesh = t.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"mesh{tuple(mesh.shape)}.dim{i}" for i in range(mesh.ndim))
+    # Anything that is neither Replicate nor Partial splits the tensor (Shard, _StridedShard from FSDP2 over TP,
+    # ragged shards); some of those answer False to is_shard().
+    return tuple(sorted((names[i], mesh.get_group(i)) for i, pl in enumerate(t.placements)
+                        if not pl.is_replicate() and not pl.is_partial()))
+
+
+def _grad_piece(p: torch.Tensor) -> tuple[torch.Tensor | None, tuple]:
+    """(local gradient tensor, ((dim name, group), ...) to sum over) for a parameter or shard ``p``."""
+    g = p.grad
+    if g is None:
+        return None, ()
+    if isinstance(g, DTensor):
+        if any(isinstance(pl, Partial) for pl in g.placements):
+            g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+        return g._local_tensor, _dtensor_groups(g)
+    return g, tuple(getattr(p, _SUM_GROUPS, ()))
+
+
+def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, *,
+              pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The ``norm_type``-norm of all gradients of ``parameters`` as one device would compute it (a 0-d fp32 tensor).
+
+    Partial results are keyed by the names of the mesh dims they must be summed over, so that the ranks of a group
+    agree on what each entry of the all-reduced vector means whatever their coordinates.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    parts: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    by_name: dict[str, dist.ProcessGroup] = {}
+    device = None
+    for p in parameters:
+        g, groups = _grad_piece(p)
+        if g is None:
+            continue
+        device = g.device
+        names = []
+        for name, group in groups:
+            if dist.get_world_size(group) == 1:
+                continue
+            seen = by_name.setdefault(name, group)
+            if seen is not group and _ranks(seen) != _ranks(group):
+                raise ValueError(f"mesh dim name {name!r} stands for two process groups on this rank "
+                                 f"(ranks {_ranks(seen)} and {_ranks(group)}); name the dims apart")
+            names.append(name)
+        g = g.detach().float()
+        if g.numel() == 0:
+            val = torch.zeros((), device=g.device)
+        elif inf:
+            val = g.abs().max()
+        else:
+            val = torch.linalg.vector_norm(g, norm_type) ** norm_type
+        parts.setdefault(tuple(sorted(names)), []).append(val)
+    device = device or torch.device("cpu")
+    keys = sorted(parts)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    if keys:
+        vec = torch.stack([torch.stack(parts[k]).max() if inf else torch.stack(parts[k]).sum() for k in keys])
+        for name in sorted(by_name):
+            mask = torch.tensor([name in k for k in keys], device=device)
+            reduced = torch.where(mask, vec, torch.zeros_like(vec))
+            dist.all_reduce(reduced, op=op, group=by_name[name])
+            vec = torch.where(mask, reduced, vec)
+        total = vec.max() if inf else vec.sum()
+    else:
+        total = torch.zeros((), device=device)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, op=op, group=pp_group)
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def _ranks(group: dist.ProcessGroup) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0, *,
+                    pp_group: dist.ProcessGroup | None = None, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the global norm before clipping.
+
+    Same arithmetic as :func:`torch.nn.utils.clip_grad_norm_` (coefficient ``max_norm / (norm + 1e-6)`` clamped to
+    1), with the norm computed by :func:`grad_norm` over every mesh involved. Raises ``RuntimeError`` for a
+    non-finite norm when ``error_if_nonfinite``.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    total = grad_norm(params, norm_type, pp_group=pp_group)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for p in params:
+        g, _ = _grad_piece(p) if not isinstance(p.grad, DTensor) else (p.grad._local_tensor, ())
+        if g is not None:
+            g.mul_(coef.to(g.dtype))
+    return total

@@ -1,0 +1,387 @@
+"""Megatron-style data parallelism: a contiguous gradient buffer per dtype, split into buckets reduced in backward.
+
+:class:`DistributedDataParallel` wraps an unmodified module whose parameters are plain tensors or DTensors (for
+example sharded by tensor parallelism over a ``tp`` mesh dimension). Gradients are reduced only over the data-parallel
+group. Each parameter's gradient lives in a slice of a flat buffer; a per-parameter hook (run by autograd after the
+gradient is accumulated) marks it ready, and a bucket whose parameters are all ready is reduced asynchronously while
+the rest of backward runs. Buckets are launched strictly in order, so every rank issues the same collectives in the
+same order. The end of backward waits for every reduction, so after ``loss.backward()`` the gradients are averaged
+over the dp group, as a single device would compute them for the whole batch.
+
+``zero_stage=0/1`` all-reduce buckets (every rank holds the averaged gradient); ``zero_stage=2`` reduce-scatters
+them, so each rank only holds the averaged gradient of its own contiguous 1/dp slice of every bucket (see
+:class:`~vescale.parallel.DistributedOptimizer`, which owns those slices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from vescale.core.errors import VescaleError
+
+__all__ = ["DistributedDataParallel", "DDPError"]
+
+
+class DDPError(VescaleError, ValueError):
+    """A module, mesh or option cannot be used by :class:`DistributedDataParallel`."""
+
+
+# torch >= 2.12 renamed the single-tensor collectives; keep one spelling here.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _queue_end_of_backward(callback) -> None:
+    # Private autograd API (also used by torch DDP and FSDP2): run ``callback`` once the current backward pass ends.
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.queue_callback(callback)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for ``t``: its local shard for a DTensor, ``t`` itself otherwise."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@dataclass(eq=False)
+class _Slot:
+    """Where one parameter's gradient lives: ``buffer.data[start:start + numel]`` viewed as ``local_shape``."""
+
+    fqn: str
+    param: nn.Parameter
+    buffer: _GradBuffer
+    bucket: _Bucket | None
+    start: int
+    numel: int
+    local_shape: torch.Size
+    exposed: torch.Tensor | None = None  # the low-precision .grad copy finish_grad_sync handed out, if any
+
+    def view(self) -> torch.Tensor:
+        return self.buffer.data[self.start:self.start + self.numel].view(self.local_shape)
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` dressed as the parameter is (a DTensor with the same mesh and placements, or as is)."""
+        p = self.param
+        if isinstance(p, DTensor):
+            return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        return local
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """A contiguous range ``[start, end)`` of a buffer, padded so that ``end - start`` is a multiple of dp."""
+
+    index: int
+    buffer: _GradBuffer
+    start: int
+    end: int
+    slots: list[_Slot] = field(default_factory=list)
+    ready: int = 0
+    work: object | None = None
+    launched: bool = False
+    shard_grad: torch.Tensor | None = None  # zero_stage 2: this rank's reduced slice
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def data(self) -> torch.Tensor:
+        return self.buffer.data[self.start:self.end]
+
+
+@dataclass(eq=False)
+class _GradBuffer:
+    """One flat gradient buffer holding every parameter of one (param dtype, grad dtype) pair."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    data: torch.Tensor
+    buckets: list[_Bucket] = field(default_factory=list)
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism over the dp dimension with bucketed, overlapped gradient reduction into a flat buffer.
+
+    ``mesh_or_group`` is a 1-D DeviceMesh, an nD DeviceMesh with a ``"dp"`` dimension, or a ProcessGroup; gradients
+    are averaged over that group only (TP DTensor parameters keep their placements). Parameters are broadcast from dp
+    rank 0 at construction, so replicas start identical. ``grad_dtype`` is the dtype gradients are accumulated and
+    reduced in (``None``: each parameter's own dtype); with bf16 parameters the default fp32 gives fp32 gradient
+    accumulation. ``bucket_size_mb`` bounds the bytes of one bucket; ``overlap=False`` reduces every bucket after
+    backward instead of during it.
+
+    After a synchronised backward each parameter's ``.main_grad`` (the buffer view in ``grad_dtype``) holds the dp
+    average. When ``grad_dtype`` equals the parameter dtype, ``.grad`` *is* that view and autograd accumulates into
+    it in place, so any ``zero_grad`` works. Otherwise, with ``zero_stage=0``, ``.grad`` is a copy cast to the
+    parameter dtype (accumulating into it or clearing it behaves as on one device, at the parameter dtype's
+    precision); with ``zero_stage`` 1/2 it stays unset. With ``zero_stage=2`` only this rank's slice of the reduced
+    gradient is meaningful: use :class:`~vescale.parallel.DistributedOptimizer`. ``zero_stage=3`` is PyTorch's
+    ``fully_shard`` (see the package README).
+
+    Inside :meth:`no_sync` backward only accumulates locally; the next backward outside it reduces the sum.
+    Every rank of the dp group must run the same backward passes (same parameters receive gradients).
+    """
+
+    def __init__(self, module: nn.Module, mesh_or_group, *, bucket_size_mb: float = 25, overlap: bool = True,
+                 grad_dtype: torch.dtype | None = torch.float32, zero_stage: int = 0) -> None:
+        super().__init__()
+        if zero_stage not in (0, 1, 2):
+            hint = " (ZeRO 3 is torch's fully_shard over the dp sub-mesh; see the README)" if zero_stage == 3 else ""
+            raise DDPError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}{hint}")
+        if not bucket_size_mb > 0:
+            raise DDPError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if not dist.is_initialized():
+            raise DDPError("DistributedDataParallel needs an initialised process group")
+        self.module = module
+        self.dp_group, self.dp_dim_name = _dp_group(mesh_or_group)
+        self.dp_size = dist.get_world_size(self.dp_group)
+        self.dp_rank = dist.get_rank(self.dp_group)
+        self.zero_stage = zero_stage
+        self.overlap = overlap
+        self.grad_dtype = grad_dtype
+        self.bucket_bytes = int(bucket_size_mb * 1024 * 1024)
+        self._sync_enabled = True
+        self._callback_queued = False
+        self._next_launch = 0
+        self._dirty = False  # some gradient reached the buffer since the last finish_grad_sync
+        self._validate(module)
+        self.grad_buffers: list[_GradBuffer] = []
+        self.buckets: list[_Bucket] = []
+        self.slots: dict[nn.Parameter, _Slot] = {}
+        self._build_buffers(module)
+        self._broadcast_params()
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._make_hook(slot))
+                       for slot in self.slots.values()]
+
+    # -- construction ---------------------------------------------------------------------------------------------
+
+    def _validate(self, module: nn.Module) -> None:
+        device = None
+        for fqn, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            local = local_tensor(p)
+            if isinstance(p, DTensor) and self.dp_dim_name in (p.device_mesh.mesh_dim_names or ()):
+                raise DDPError(f"parameter {fqn!r} is already a DTensor over mesh dim {self.dp_dim_name!r} "
+                               f"(placements {p.placements}); DDP reduces over that dim itself")
+            if not local.is_contiguous():
+                raise DDPError(f"parameter {fqn!r} (local shape {tuple(local.shape)}) is not contiguous")
+            if device is not None and local.device != device:
+                raise DDPError(f"parameter {fqn!r} is on {local.device} but others are on {device}")
+            device = local.device
+
+    def _build_buffers(self, module: nn.Module) -> None:
+        # Backward visits parameters roughly in reverse registration order: fill buckets in that order so the first
+        # bucket completes first.
+        params = [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad][::-1]
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+        for fqn, p in params:
+            by_dtype.setdefault((p.dtype, self.grad_dtype or p.dtype), []).append((fqn, p))
+        for (pdtype, gdtype), group in by_dtype.items():
+            elem = torch.empty((), dtype=gdtype).element_size()
+            layout: list[tuple[int, int, list[tuple[str, nn.Parameter, int]]]] = []  # (start, end, members)
+            offset, members, bucket_start = 0, [], 0
+            for fqn, p in group:
+                n = local_tensor(p).numel()
+                members.append((fqn, p, offset))
+                offset += n
+                if (offset - bucket_start) * elem >= self.bucket_bytes:
+                    end = bucket_start + _round_up(offset - bucket_start, self.dp_size)
+                    layout.append((bucket_start, end, members))
+                    offset = bucket_start = end
+                    members = []
+            if members:
+                end = bucket_start + _round_up(offset - bucket_start, self.dp_size)
+                layout.append((bucket_start, end, members))
+                offset = end
+            device = local_tensor(group[0][1]).device
+            buf = _GradBuffer(pdtype, gdtype, torch.zeros(offset, dtype=gdtype, device=device))
+            for start, end, mem in layout:
+                bucket = _Bucket(len(self.buckets), buf, start, end)
+                if self.zero_stage == 2:
+                    bucket.shard_grad = torch.zeros(bucket.numel // self.dp_size, dtype=gdtype, device=device)
+                for fqn, p, off in mem:
+                    local = local_tensor(p)
+                    slot = _Slot(fqn, p, buf, bucket, off, local.numel(), local.shape)
+                    bucket.slots.append(slot)
+                    self.slots[p] = slot
+                buf.buckets.append(bucket)
+                self.buckets.append(bucket)
+            self.grad_buffers.append(buf)
+
+    @torch.no_grad()
+    def _broadcast_params(self) -> None:
+        if self.dp_size == 1:
+            return
+        src = dist.get_global_rank(self.dp_group, 0)
+        works = [dist.broadcast(local_tensor(s.param), src=src, group=self.dp_group, async_op=True)
+                 for s in self.slots.values()]
+        for w in works:
+            w.wait()
+
+    # -- backward -------------------------------------------------------------------------------------------------
+
+    def _make_hook(self, slot: _Slot):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(slot)
+
+        return hook
+
+    @torch.no_grad()
+    def _on_grad_ready(self, slot: _Slot) -> None:
+        p = slot.param
+        grad = p.grad
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        grad = local_tensor(grad)
+        view = slot.view()
+        self._dirty = True
+        if p.dtype == slot.buffer.grad_dtype:
+            if grad.data_ptr() != view.data_ptr():
+                # A fresh gradient: .grad was None before this backward (set_to_none), so it replaces the buffer.
+                view.copy_(grad)
+                p.grad = slot.wrap(view)
+        else:
+            if slot.exposed is not None:
+                # After a sync handed out a low-precision copy, .grad is the truth: either that copy with this
+                # backward accumulated into it, or (the user cleared it) a fresh gradient.
+                view.copy_(grad)
+                slot.exposed = None
+            else:
+                view.add_(grad)  # accumulation micro-steps, in grad_dtype
+            p.grad = None
+        p.main_grad = view
+        if not self._callback_queued:
+            self._callback_queued = True
+            _queue_end_of_backward(self._end_of_backward)
+        if self._sync_enabled and self.overlap:
+            slot.bucket.ready += 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.slots):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        data = bucket.data()
+        if self.dp_size == 1:
+            bucket.work = None
+            if bucket.shard_grad is not None:
+                bucket.shard_grad.copy_(data)
+        elif bucket.shard_grad is not None:
+            bucket.work = _reduce_scatter(bucket.shard_grad, data, op=dist.ReduceOp.AVG, group=self.dp_group,
+                                          async_op=True)
+        else:
+            bucket.work = dist.all_reduce(data, op=dist.ReduceOp.AVG, group=self.dp_group, async_op=True)
+        bucket.launched = True
+        self._next_launch = bucket.index + 1
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._sync_enabled:
+            self.finish_grad_sync()
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets not yet reduced, wait for every reduction, and expose the averaged gradients.
+
+        Called automatically at the end of a synchronised backward; calling it again is a no-op until the next
+        backward. Parameters that got no gradient contribute zeros.
+        """
+        if not self._dirty:
+            return
+        for bucket in self.buckets[self._next_launch:]:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work, bucket.ready, bucket.launched = None, 0, False
+        self._next_launch = 0
+        self._dirty = False
+        if self.zero_stage:
+            return  # DistributedOptimizer reads the buffer (zero_stage 1) or the shard (zero_stage 2)
+        for slot in self.slots.values():
+            p = slot.param
+            if p.dtype != slot.buffer.grad_dtype:
+                p.grad = slot.wrap(slot.view().to(p.dtype))
+                slot.exposed = local_tensor(p.grad)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the first backward after the block reduces them."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffer (every bucket) and the parameters' ``.grad``.
+
+        ``set_to_none`` applies to gradients that are not views of the buffer; buffer views are zeroed in place.
+        """
+        for buf in self.grad_buffers:
+            buf.data.zero_()
+            for bucket in buf.buckets:
+                if bucket.shard_grad is not None:
+                    bucket.shard_grad.zero_()
+        for slot in self.slots.values():
+            p = slot.param
+            slot.exposed = None
+            if p.grad is not None and local_tensor(p.grad).data_ptr() != slot.view().data_ptr():
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # -- module plumbing ------------------------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def grad_buffer_bytes(self) -> int:
+        """Bytes held by gradient buffers on this rank (full buffers plus zero_stage-2 shards)."""
+        total = sum(b.data.numel() * b.data.element_size() for b in self.grad_buffers)
+        total += sum(b.shard_grad.numel() * b.shard_grad.element_size() for b in self.buckets
+                     if b.shard_grad is not None)
+        return total
+
+
+def _round_up(n: int, k: int) -> int:
+    return max(k, math.ceil(n / k) * k)
+
+
+def _dp_group(mesh_or_group):
+    """(process group, mesh dim name) for the data-parallel dimension of a mesh or a group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh_or_group, DeviceMesh):
+        names = tuple(mesh_or_group.mesh_dim_names or ())
+        if mesh_or_group.ndim == 1:
+            return mesh_or_group.get_group(), (names[0] if names else "dp")
+        if "dp" not in names:
+            raise DDPError(f"mesh has dimensions {list(names)} (shape {tuple(mesh_or_group.shape)}); "
+                           "DistributedDataParallel needs a 1-D mesh or one with a 'dp' dimension")
+        return mesh_or_group["dp"].get_group(), "dp"
+    if isinstance(mesh_or_group, dist.ProcessGroup):
+        return mesh_or_group, "dp"
+    raise DDPError(f"mesh_or_group must be a DeviceMesh or ProcessGroup, got {type(mesh_or_group).__name__}")

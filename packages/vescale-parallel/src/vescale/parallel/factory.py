@@ -1,0 +1,72 @@
+"""Factory capture: tensors a parallelized ``forward`` creates from scratch become replicated DTensors.
+
+Model code builds tensors inside ``forward`` (``torch.arange`` positions, ``torch.ones(t, t).tril()`` masks,
+``torch.tensor(...)`` constants) and combines them with activations, which inside a parallelized module are DTensors.
+DTensor refuses to mix the two. :class:`FactoryCapture` is a :class:`~torch.overrides.TorchFunctionMode` that the
+parallelized root module enters for the duration of its ``forward``: the result of every *deterministic* factory
+function called by model code is wrapped, without communication, as a DTensor that is ``Replicate`` on every dim of
+the mesh. That is exactly what the single-device program means: every rank builds the same full tensor.
+
+Why a mode and not :func:`torch.distributed.tensor.experimental.implicit_replication`: implicit replication only
+admits plain tensors into DTensor ops during ``forward``. A plain mask saved by autograd (``masked_fill`` saves it)
+comes back in ``backward``, outside any context, and fails there. Converting at creation leaves no plain tensor in
+the graph, so ``backward`` needs no context at all.
+
+Only calls made directly by model code are seen: while the mode handles a call it is switched off (torch's rule for
+modes), so tensors torch itself creates inside an op (collective buffers in DTensor's redistribution, temporaries
+of a functional op) stay plain. Random factories (``rand``, ``randn``, ...) are left alone on purpose: wrapping a
+per-rank random draw as ``Replicate`` would silently be wrong; use dropout (DTensor's RNG) or create them as
+DTensors explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["FactoryCapture", "FACTORY_FUNCTIONS", "capture_suspended"]
+
+_suspended = 0
+
+#: Deterministic creation functions whose plain-tensor results are captured as replicated DTensors.
+FACTORY_FUNCTIONS: frozenset = frozenset({
+    torch.arange, torch.range, torch.ones, torch.zeros, torch.full, torch.empty, torch.eye, torch.linspace,
+    torch.logspace, torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.ones_like, torch.zeros_like,
+    torch.full_like, torch.empty_like, torch.tril_indices, torch.triu_indices,
+})
+
+
+class FactoryCapture(TorchFunctionMode):
+    """Wrap plain results of :data:`FACTORY_FUNCTIONS` as DTensors replicated on ``device_mesh``.
+
+    Issues no collective. A result that already is a DTensor (``ones_like`` of a DTensor) is returned unchanged.
+    """
+
+    def __init__(self, device_mesh) -> None:
+        super().__init__()
+        self.device_mesh = device_mesh
+        self._replicate = [Replicate()] * device_mesh.ndim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _suspended or func not in FACTORY_FUNCTIONS:
+            return out
+        if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+            out = DTensor.from_local(out, self.device_mesh, self._replicate, run_check=False)
+        return out
+
+
+@contextlib.contextmanager
+def capture_suspended() -> Iterator[None]:
+    """Inside, factories stay plain: for code that runs on local shards (a ``.local`` module of the plan)."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1

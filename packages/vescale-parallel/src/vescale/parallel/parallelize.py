@@ -1,0 +1,479 @@
+"""``parallelize_module``: turn an unmodified module into a tensor/sequence-parallel one from a plan that is data.
+
+A plan is a dict with up to two sections, each mapping regex FQN patterns (full match, first wins, matched by
+:func:`vescale.core.fqn.match_plan`) to placements, one :class:`~torch.distributed.tensor.Placement` per dim of the
+device mesh::
+
+    {"parameter": {r"layers\\.\\d+\\.attn\\.wq\\.weight": [Shard(0)], ...},
+     "forward":   {r"layers\\.\\d+\\.attn.input":  [[Replicate()], None, None],   # per positional argument
+                   r"layers\\.\\d+\\.attn\\.wo.output": [[Shard(1)]],             # per output
+                   r"layers\\.\\d+\\.self_attn.input": {"hidden_states": [Replicate()]},   # per keyword argument
+                   "input": [[Shard(0), Replicate()]],                           # the root module itself
+                   "output": [None]}}
+
+Parameters no pattern names are replicated; buffers are always replicated. ``MODULE.input`` redistributes the
+module's DTensor arguments to the given placements before its ``forward`` (a plain tensor is taken as this rank's
+local piece under them, like :meth:`DTensor.from_local`); ``MODULE.output`` redistributes its outputs after. ``None``
+leaves an argument/output alone. Entries may also be a single placements list (``[Shard(1)]``) for one argument.
+``MODULE.local`` runs a submodule on local shards as plain tensors, for data-dependent code DTensor cannot follow
+(see :mod:`.local`). A key spelled ``r"proj\\.input"`` (escaped dot before the suffix) is accepted too.
+
+The root module's boundary is plain tensors: plain arguments without an entry become ``Replicate`` DTensors, and
+DTensor outputs become plain tensors, via ``to_local()`` after redistributing to the root's ``output`` entry (default
+``Replicate``, i.e. the full tensor). A root ``output`` entry of ``None`` returns that output as a DTensor, e.g. to
+feed vocab-sharded logits to :func:`vescale.parallel.vocab_parallel_cross_entropy`. Inside, activations stay
+DTensors, and tensors created in ``forward`` are captured as replicated DTensors (see :mod:`.factory`).
+
+Boundary redistributions are differentiable with Megatron's backward: an all-gathered (sequence-parallel) input's
+gradient is reduce-scattered, a reduced output's gradient passes through.
+
+Gradients: after accumulation each parameter's ``.grad`` is redistributed to the parameter's own placements (the
+``Partial`` gradient of a replicated norm weight under sequence parallelism, or of any parameter on a data-parallel
+mesh dim, is all-reduced there), so ``param.grad`` always has ``param.placements``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from vescale.core.errors import PlanError
+from vescale.core.fqn import match_plan
+from vescale.dtensor import distribute_tensor, is_deferred, materialize
+from vescale.parallel.factory import FactoryCapture
+from vescale.parallel.local import make_local
+from vescale.parallel.report import PlanEntry, PlanReport
+
+__all__ = ["parallelize_module", "plan_report", "Plan"]
+
+#: ``{"parameter": {regex: placements}, "forward": {regex + ".input"/".output"/".local": per-arg placements}}``.
+Plan = Mapping[str, Mapping[str, Any]]
+
+_SECTIONS = ("parameter", "forward")
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, plan: Plan) -> nn.Module:
+    """Shard ``module``'s parameters and install its activation layouts as ``plan`` says; return ``module``.
+
+    In place: parameters become ``nn.Parameter`` DTensors (``distribute_tensor``, which takes rank 0's values of
+    each mesh group), buffers replicated DTensors, and forward hooks are registered. The whole plan is checked
+    against the module first, so a bad plan raises :class:`~vescale.core.errors.PlanError` (naming the pattern,
+    FQN, shape, placements and mesh dim) on every rank before any collective. ``module.plan_report()`` returns the
+    :class:`~vescale.parallel.report.PlanReport` afterwards.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallelize_module expects an nn.Module, got {type(module).__name__}")
+    plan = _check_sections(plan)
+    mesh_desc = _mesh_desc(device_mesh)
+    decisions = _decide_parameters(module, device_mesh, plan.get("parameter", {}), mesh_desc)
+    inputs, outputs, local = _decide_forward(module, device_mesh, plan.get("forward", {}), mesh_desc)
+
+    report = PlanReport(mesh_desc)
+    _distribute_state(module, device_mesh, decisions, report)
+    _install_hooks(module, device_mesh, inputs, outputs, local, report)
+    module.plan_report = functools.partial(_identity, report)
+    return module
+
+
+def plan_report(module: nn.Module) -> PlanReport:
+    """The :class:`PlanReport` of a module returned by :func:`parallelize_module`."""
+    getter = getattr(module, "plan_report", None)
+    if getter is None:
+        raise ValueError(f"{type(module).__name__} was not parallelized by vescale.parallel.parallelize_module")
+    return getter()
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checking the plan (pure, identical on every rank, before any collective)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_sections(plan: Plan) -> dict[str, Mapping[str, Any]]:
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"a plan is a dict with sections {list(_SECTIONS)}, got {type(plan).__name__}")
+    unknown = [k for k in plan if k not in _SECTIONS]
+    if unknown:
+        raise PlanError(f"unknown plan section(s) {unknown}; a plan has sections {list(_SECTIONS)}")
+    for name, section in plan.items():
+        if not isinstance(section, Mapping):
+            raise PlanError(f"plan section {name!r} must map FQN patterns to placements, got {type(section).__name__}")
+    return dict(plan)
+
+
+def _mesh_desc(mesh) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)) + ")"
+
+
+def _dim_name(mesh, i: int) -> str:
+    return mesh.mesh_dim_names[i] if mesh.mesh_dim_names else f"dim{i}"
+
+
+def _check_placements(value: Any, mesh, *, where: str, mesh_desc: str) -> tuple[Placement, ...]:
+    """``value`` as a tuple of placements, one per mesh dim, or a PlanError naming ``where``."""
+    if isinstance(value, Placement) or not isinstance(value, Sequence) or isinstance(value, str):
+        raise PlanError(f"{where}: placements must be a list with one Placement per mesh dim of {mesh_desc}, "
+                        f"got {value!r}")
+    if len(value) != mesh.ndim:
+        raise PlanError(f"{where}: {len(value)} placement(s) {list(value)} for the {mesh.ndim}-dim {mesh_desc}; "
+                        f"give exactly one per mesh dim (Replicate() on the dims you do not shard)")
+    for i, p in enumerate(value):
+        if not isinstance(p, Placement):
+            raise PlanError(f"{where}: entry {i} (mesh dim {_dim_name(mesh, i)!r}) is {p!r}, not a Placement")
+    return tuple(value)
+
+
+def _shard_divisor(p: Placement) -> int:
+    """How many pieces per mesh rank a Shard-like placement needs (InterleavedShard needs its interleave factor)."""
+    for attr in ("interleaved_size", "interleave"):
+        n = getattr(p, attr, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 1
+
+
+def _check_param_placements(placements: tuple[Placement, ...], shape: torch.Size, mesh, *, where: str) -> None:
+    ndim = len(shape)
+    divisors = [1] * ndim
+    culprits: list[list[str]] = [[] for _ in range(ndim)]
+    for i, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise PlanError(f"{where}: Partial on mesh dim {_dim_name(mesh, i)!r} is not a valid parameter placement")
+        if isinstance(p, Shard):
+            d = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= d < ndim:
+                raise PlanError(f"{where}: {p!r} on mesh dim {_dim_name(mesh, i)!r} names dim {p.dim} but the shape "
+                                f"{tuple(shape)} has {ndim} dim(s)")
+            divisors[d] *= mesh.size(i) * _shard_divisor(p)
+            culprits[d].append(f"{p!r} on mesh dim {_dim_name(mesh, i)!r} of size {mesh.size(i)}")
+    for d, k in enumerate(divisors):
+        if shape[d] % k:
+            raise PlanError(f"{where}: dim {d} of shape {tuple(shape)} has size {shape[d]}, which does not divide "
+                            f"into {k} equal shards ({'; '.join(culprits[d])})")
+
+
+def _decide_parameters(module: nn.Module, mesh, section: Mapping[str, Any], mesh_desc: str) -> dict[int, tuple]:
+    """``{id(param): (fqns, placements, pattern)}`` for every parameter; tied parameters must agree."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    matches = match_plan(section, [fqn for fqn, _ in named], what="parameter plan")
+    replicate = tuple(Replicate() for _ in range(mesh.ndim))
+    decisions: dict[int, tuple] = {}
+    for fqn, param in named:
+        match = matches.get(fqn)
+        if match is not None:
+            where = f"parameter plan entry {match.pattern!r} for {fqn!r} (shape {tuple(param.shape)})"
+            placements = _check_placements(match.value, mesh, where=where, mesh_desc=mesh_desc)
+            _check_param_placements(placements, param.shape, mesh, where=where)
+            pattern = match.pattern
+        else:
+            placements, pattern = replicate, None
+        if isinstance(param, DTensor):
+            raise PlanError(f"parameter {fqn!r} is already a DTensor on {param.device_mesh}; parallelize a module once")
+        seen = decisions.get(id(param))
+        if seen is None:
+            decisions[id(param)] = ([fqn], placements, pattern)
+            continue
+        if seen[1] != placements:
+            raise PlanError(f"parameters {seen[0][0]!r} and {fqn!r} are the same (tied) Parameter of shape "
+                            f"{tuple(param.shape)} but the plan gives them {list(seen[1])} (from {seen[2]!r}) and "
+                            f"{list(placements)} (from {pattern!r})")
+        seen[0].append(fqn)
+    return decisions
+
+
+def _parse_boundary(value: Any, mesh, *, where: str, mesh_desc: str):
+    """A boundary entry as ``list[placements | None]`` (positional) or ``dict[str, placements | None]``."""
+
+    def one(v: Any, what: str):
+        return None if v is None else _check_placements(v, mesh, where=f"{where} {what}", mesh_desc=mesh_desc)
+
+    if isinstance(value, Mapping):
+        return {str(k): one(v, f"argument {k!r}") for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if value and all(isinstance(p, Placement) for p in value):
+            return [one(value, "argument 0")]  # a single placements list: the first argument/output
+        return [one(v, f"position {i}") for i, v in enumerate(value)]
+    raise PlanError(f"{where}: expected a list (per position) or a dict (per keyword) of placements, got {value!r}")
+
+
+def _decide_forward(module: nn.Module, mesh, section: Mapping[str, Any], mesh_desc: str):
+    """Split ``forward`` keys into ``{module_fqn: (pattern, spec)}`` for inputs and for outputs."""
+    by_kind: dict[str, dict[str, Any]] = {"input": {}, "output": {}, "local": {}}
+    keys: dict[tuple[str, str], str] = {}
+    for key, value in section.items():
+        if not isinstance(key, str):
+            raise PlanError(f"forward plan key {key!r} must be a string 'MODULE_REGEX.input' or '.output'")
+        pattern, _, kind = key.rpartition(".")
+        if pattern.endswith("\\"):  # r"proj\.input": the suffix's dot was escaped like the others
+            pattern = pattern[:-1]
+        if kind not in by_kind:
+            raise PlanError(f"forward plan key {key!r} must end in '.input', '.output' or '.local' ('input'/'output' "
+                            "alone for the root module)")
+        spec = _parse_boundary(value, mesh, where=f"forward plan entry {key!r}", mesh_desc=mesh_desc)
+        by_kind[kind][pattern] = spec
+        keys[(kind, pattern)] = key
+    module_fqns = [fqn for fqn, _ in module.named_modules()]
+    result = []
+    for kind, entries in by_kind.items():
+        matches = match_plan(entries, module_fqns, what=f"forward plan ('.{kind}' entries, module patterns)")
+        result.append({fqn: (keys[(kind, m.pattern)], m.value) for fqn, m in matches.items()})
+    if "" in result[2]:
+        raise PlanError("forward plan: the root module cannot be '.local'; name a submodule")
+    return result[0], result[1], result[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Applying it
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _distribute_state(module: nn.Module, mesh, decisions: dict[int, tuple], report: PlanReport) -> None:
+    """Replace parameters (as planned) and buffers (replicated) by DTensors; tied parameters stay tied.
+
+    A module built by :func:`vescale.dtensor.deferred_init` is materialised straight into local shards (each rank
+    computes only its slice, bitwise equal to the single-device init under vescale's RNG); an eager module's tensors
+    are distributed from mesh coordinate 0.
+    """
+    by_fqn = {fqn: (placements, pattern) for fqns, placements, pattern in decisions.values() for fqn in fqns}
+    replicate = tuple(Replicate() for _ in range(mesh.ndim))
+    if is_deferred(module):
+        materialize(module, mesh, {fqn: list(placements) for fqn, (placements, _) in by_fqn.items()})
+    new_params: dict[int, nn.Parameter] = {}
+    for mod_fqn, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mod_fqn}." if mod_fqn else ""
+        for name, param in list(mod._parameters.items()):
+            if param is None:
+                continue
+            placements, pattern = by_fqn[prefix + name]
+            if id(param) not in new_params:
+                if isinstance(param, DTensor):  # materialised from deferred init
+                    new = param if isinstance(param, nn.Parameter) else nn.Parameter(param, param.requires_grad)
+                else:
+                    dt = distribute_tensor(param.detach(), mesh, placements)
+                    new = nn.Parameter(dt, requires_grad=param.requires_grad)
+                if new.requires_grad:
+                    new.register_post_accumulate_grad_hook(_grad_to_param_placements)
+                new_params[id(param)] = new
+            mod._parameters[name] = new_params[id(param)]
+            report.entries.append(PlanEntry("parameter", prefix + name, tuple(param.shape), _fmt(placements), pattern))
+        for name, buf in list(mod._buffers.items()):
+            if buf is None:
+                continue
+            if not isinstance(buf, DTensor):
+                mod._buffers[name] = distribute_tensor(buf, mesh, replicate)
+            report.entries.append(PlanEntry("buffer", prefix + name, tuple(buf.shape), _fmt(replicate), None))
+
+
+def _grad_to_param_placements(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: bring ``param.grad`` (often ``Partial``) to the parameter's placements."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _fmt(placements) -> str:
+    if placements is None:
+        return "None"
+    return "[" + ", ".join(str(p) for p in placements) + "]"
+
+
+def _fmt_spec(spec) -> str:
+    if isinstance(spec, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in spec.items()) + "}"
+    return "[" + ", ".join(_fmt(v) for v in spec) + "]"
+
+
+class _RootState:
+    """Per-root bookkeeping: the factory-capture mode is entered on the outermost call only."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+        self.depth = 0
+        self.mode: FactoryCapture | None = None
+
+
+def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: dict, report: PlanReport) -> None:
+    mods = dict(module.named_modules())
+    for fqn, (key, spec) in local.items():
+        report.entries.append(PlanEntry("local", fqn, (), _fmt_spec(spec), key))
+        make_local(mods[fqn], mesh, spec, outputs.get(fqn, (None, None))[1], fqn)
+    for fqn, (key, spec) in inputs.items():
+        report.entries.append(PlanEntry("input", fqn, (), _fmt_spec(spec), key))
+        if fqn != "":
+            mods[fqn].register_forward_pre_hook(
+                functools.partial(_input_hook, mesh=mesh, spec=spec, fqn=fqn), with_kwargs=True)
+    for fqn, (key, spec) in outputs.items():
+        report.entries.append(PlanEntry("output", fqn, (), _fmt_spec(spec), key))
+        if fqn != "" and fqn not in local:
+            mods[fqn].register_forward_hook(functools.partial(_output_hook, mesh=mesh, spec=spec, fqn=fqn))
+    state = _RootState(mesh)
+    module.register_forward_pre_hook(
+        functools.partial(_root_pre_hook, state=state, spec=inputs.get("", (None, None))[1]), with_kwargs=True)
+    module.register_forward_hook(
+        functools.partial(_root_post_hook, state=state, spec=outputs.get("", (None, None))[1]), always_call=True)
+
+
+def _convert(x: Any, mesh, placements, *, where: str) -> Any:
+    """Bring one argument/output to ``placements`` (``None``: leave it); plain tensors count as local pieces."""
+    if placements is None or x is None:
+        return x
+    if isinstance(x, DTensor):
+        if x.device_mesh != mesh:
+            raise PlanError(f"{where} is a DTensor on {x.device_mesh}, not on the plan's mesh {mesh}")
+        if tuple(x.placements) == tuple(placements):
+            return x
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return _redistribute(x, mesh, tuple(placements))
+        return _Redistribute.apply(x, tuple(placements))
+    if isinstance(x, torch.Tensor):
+        return DTensor.from_local(x, mesh, placements, run_check=False)
+    raise PlanError(f"{where} is a {type(x).__name__}, not a tensor, but the plan gives it placements "
+                    f"{_fmt(placements)}")
+
+
+def _redistribute(x: DTensor, mesh, placements: tuple) -> DTensor:
+    if mesh.ndim > 1 and any(isinstance(p, Partial) and type(p) is not Partial for p in x.placements):
+        # torch mis-applies the embedding's masked-partial layout when one redistribute also changes other mesh
+        # dims (it reshards the batch before applying the mask): reduce it on its own dim first.
+        x = x.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p for p in x.placements])
+    return x.redistribute(mesh, placements)
+
+
+class _Redistribute(torch.autograd.Function):
+    """A boundary redistribution whose backward goes straight from the incoming gradient to the source layout.
+
+    Activations stay DTensors, so the gradient reaching a boundary is often ``Partial`` (the sum of a
+    column-parallel input's contributions). torch's own ``redistribute`` backward first brings it to the *target*
+    layout (an all-reduce to ``Replicate``) and then to the source; going directly costs one reduce-scatter for an
+    all-gathered (sequence-parallel) input, as in Megatron and torch's TP, and never asks torch to turn ``Partial``
+    into the embedding's masked-partial layout (which it cannot): a partial source gets a ``Replicate`` gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: DTensor, placements: tuple) -> DTensor:
+        ctx.mesh = x.device_mesh
+        ctx.src = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+        return _redistribute(x, x.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.src:
+            grad = grad.redistribute(ctx.mesh, ctx.src)
+        return grad, None
+
+
+def _apply_args(args: tuple, kwargs: dict, spec, mesh, fqn: str) -> tuple[tuple, dict]:
+    name = f"module {fqn!r}" if fqn else "the root module"
+    if isinstance(spec, dict):
+        kwargs = dict(kwargs)
+        for key, placements in spec.items():
+            if key in kwargs:
+                kwargs[key] = _convert(kwargs[key], mesh, placements, where=f"keyword argument {key!r} of {name}")
+        return args, kwargs
+    args = list(args)
+    for i, placements in enumerate(spec):
+        if i < len(args):
+            args[i] = _convert(args[i], mesh, placements, where=f"positional argument {i} of {name}")
+    return tuple(args), kwargs
+
+
+def _apply_outputs(out: Any, spec, mesh, fqn: str) -> Any:
+    name = f"module {fqn!r}" if fqn else "the root module"
+    if isinstance(spec, dict):
+        if not isinstance(out, Mapping):
+            raise PlanError(f"the plan gives {name} outputs by key {list(spec)} but it returned {type(out).__name__}")
+        for key, placements in spec.items():
+            if key in out:
+                out[key] = _convert(out[key], mesh, placements, where=f"output {key!r} of {name}")
+        return out
+    if isinstance(out, torch.Tensor):
+        if len(spec) != 1:
+            raise PlanError(f"the plan gives {len(spec)} outputs for {name} but it returned one tensor")
+        return _convert(out, mesh, spec[0], where=f"the output of {name}")
+    if isinstance(out, (tuple, list)):
+        if len(spec) > len(out):
+            raise PlanError(f"the plan gives {len(spec)} outputs for {name} but it returned {len(out)}")
+        items = list(out)
+        for i, placements in enumerate(spec):
+            items[i] = _convert(items[i], mesh, placements, where=f"output {i} of {name}")
+        return type(out)(items) if isinstance(out, list) else tuple(items)
+    raise PlanError(f"the plan gives placements for the outputs of {name} but it returned {type(out).__name__}")
+
+
+def _input_hook(module: nn.Module, args: tuple, kwargs: dict, *, mesh, spec, fqn: str):
+    return _apply_args(args, kwargs, spec, mesh, fqn)
+
+
+def _output_hook(module: nn.Module, args: tuple, out: Any, *, mesh, spec, fqn: str):
+    return _apply_outputs(out, spec, mesh, fqn)
+
+
+def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict, *, state: _RootState, spec):
+    alone: set = set()  # arguments the root entry explicitly leaves alone (None): they stay plain
+    if spec is not None:
+        args, kwargs = _apply_args(args, kwargs, spec, state.mesh, "")
+        alone = {k for k, v in (spec.items() if isinstance(spec, dict) else enumerate(spec)) if v is None}
+    replicate = [Replicate()] * state.mesh.ndim
+
+    def default(key: Any, x: Any) -> Any:
+        return _convert(x, state.mesh, replicate, where="") if _is_plain(x) and key not in alone else x
+
+    args = tuple(default(i, a) for i, a in enumerate(args))
+    kwargs = {k: default(k, v) for k, v in kwargs.items()}
+    state.depth += 1
+    if state.depth == 1:
+        state.mode = FactoryCapture(state.mesh)
+        state.mode.__enter__()
+    return args, kwargs
+
+
+def _root_post_hook(module: nn.Module, args: tuple, out: Any, *, state: _RootState, spec):
+    state.depth -= 1
+    if state.depth == 0 and state.mode is not None:
+        mode, state.mode = state.mode, None
+        mode.__exit__(None, None, None)
+    if out is None:
+        return None
+    planned: dict = {}
+    if spec is not None:
+        out = _apply_outputs(out, spec, state.mesh, "")
+        planned = dict(spec.items() if isinstance(spec, dict) else enumerate(spec))
+    return _to_boundary(out, planned)
+
+
+def _is_plain(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
+def _boundary_one(x: Any, key: Any, planned: dict) -> Any:
+    """One root output: kept as a DTensor (entry ``None``), local piece (entry given), or full tensor (no entry)."""
+    if not isinstance(x, DTensor):
+        return x
+    if key in planned:
+        return x if planned[key] is None else x.to_local()
+    return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+
+
+def _to_boundary(out: Any, planned: dict) -> Any:
+    """Root outputs as plain tensors (see :func:`parallelize_module`); ``planned`` maps output keys to entries."""
+    if isinstance(out, torch.Tensor):
+        return _boundary_one(out, 0, planned)
+    if isinstance(out, Mapping):
+        for key in list(out.keys()):
+            out[key] = _boundary_one(out[key], key, planned)
+        return out
+    if isinstance(out, (tuple, list)):
+        items = [_boundary_one(x, i, planned) for i, x in enumerate(out)]
+        return type(out)(items) if isinstance(out, list) else tuple(items)
+    return out

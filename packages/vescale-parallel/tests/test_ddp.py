@@ -1,0 +1,380 @@
+"""DDP and ZeRO 1/2 train like one device: 20 AdamW steps of a nanoGPT-style GPT against the single-process run.
+
+Reference: the unmodified model trained on one process over the whole global batch. Comparisons use tolerances
+(reductions change the summation order): fp32 losses relative 1e-5 per step, final weights ``allclose``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+
+from vescale.core.testing import multi_rank
+
+STEPS = 20
+BATCH, SEQ = 8, 16
+LR = 3e-3
+
+
+def _cfg():
+    from vescale.core.testing.models import GPTConfig
+
+    return GPTConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=SEQ)
+
+
+def _model(seed: int = 0):
+    import torch
+
+    from vescale.core.testing.models import GPT
+
+    torch.manual_seed(seed)
+    return GPT(_cfg())
+
+
+def _batch(step: int):
+    import torch
+
+    # Arithmetic progressions mod 64 with a random start and stride: learnable, so the loss really falls.
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, 64, (BATCH, 1), generator=g)
+    stride = torch.randint(1, 4, (BATCH, 1), generator=g)
+    tokens = (start + stride * torch.arange(SEQ + 1)) % 64
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference(steps: int = STEPS, clip: float | None = None, dtype=None):
+    """Single-device AdamW training: (losses, grad norms, final state dict)."""
+    import torch
+
+    from vescale.core.testing.models import cross_entropy
+
+    model = _model()
+    if dtype is not None:
+        model = model.to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(model, opt, dp_rank: int, dp: int, steps: int = STEPS, accum: int = 1, zero_grad=None, autocast=None):
+    """Train on this dp rank's rows of each global batch; return the dp-mean loss per step."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.testing.models import cross_entropy
+
+    losses = []
+    rows = BATCH // dp
+    for step in range(steps):
+        x, y = _batch(step)
+        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+        total = torch.zeros(())
+        micro = rows // accum
+        for i in range(accum):
+            xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+            ctx = model.no_sync() if i < accum - 1 else _nullcontext()
+            amp = torch.autocast("cpu", dtype=autocast) if autocast is not None else _nullcontext()
+            with ctx:
+                with amp:
+                    logits = model(xs)
+                loss = cross_entropy(logits.float(), ys) / accum
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        (zero_grad or opt.zero_grad)()
+        dist.all_reduce(total, group=model.dp_group)
+        losses.append(total.item() / dp)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The single-device runs, computed once in the pytest process and sent to the ranks."""
+    with one_thread():
+        return {"plain": _reference(), "clip": _reference(clip=0.5)}
+
+
+def _single_threaded(body):
+    """Run a rank's test body under :func:`one_thread`."""
+
+    @functools.wraps(body)
+    def run(*args, **kwargs):
+        with one_thread():
+            return body(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run tiny models on one intra-op thread: on a loaded 2-core machine more threads only spin against each other."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _nullcontext():
+    return contextlib.nullcontext()
+
+
+def _assert_close_curve(got, want, rel=1e-5, what=""):
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= rel * abs(w), f"{what} step {step}: loss {g!r} vs single device {w!r}"
+
+
+def _assert_weights(model, ref_state, what="", rtol=1e-4, atol=1e-5):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for k, v in model.state_dict().items():
+        full = v.full_tensor() if isinstance(v, DTensor) else v
+        torch.testing.assert_close(full, ref_state[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+@multi_rank(world_sizes=[1, 2, 4])
+@_single_threaded
+def test_ddp_and_zero_match_single_device(world_size, ref):
+    """dp in {1,2,4}: ZeRO 0 (plain AdamW on DDP grads), 1, 2 (+ clipping), and 2-way grad accumulation."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+
+    ref_losses, _, ref_state = ref["plain"]
+    clip_losses, clip_norms, clip_state = ref["clip"]
+    mesh = init_mesh({"dp": world_size})
+    rank = dist.get_rank()
+    full_state_bytes = 2 * 4 * sum(p.numel() for p in _model().parameters())  # AdamW: exp_avg + exp_avg_sq fp32
+
+    # ZeRO 0: DDP + an unmodified torch AdamW; tiny buckets so there are many, reduced during backward.
+    model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004)
+    assert len(model.buckets) > 3
+    launched_before_end = []
+    end_of_backward = model._end_of_backward
+
+    def spy():  # how many buckets were already reduced when autograd finished: the overlap
+        launched_before_end.append(model._next_launch)
+        end_of_backward()
+
+    model._end_of_backward = spy
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    _assert_close_curve(_train(model, opt, rank, world_size), ref_losses, what="zero0")
+    _assert_weights(model, ref_state, "zero0")
+    assert len(launched_before_end) == STEPS and min(launched_before_end) >= len(model.buckets) - 1
+
+    # ZeRO 0 with grad accumulation (no_sync) and overlap off.
+    model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, overlap=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    _assert_close_curve(_train(model, opt, rank, world_size, accum=2), ref_losses, what="zero0+accum")
+    _assert_weights(model, ref_state, "zero0+accum")
+
+    for stage, accum, clip in ((1, 1, 0.5), (2, 2, 0.5), (2, 1, None)):
+        if True:
+            what = f"zero{stage} accum={accum} clip={clip}"
+            model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, zero_stage=stage)
+            opt = DistributedOptimizer(torch.optim.AdamW, model, zero_stage=stage, clip_grad=clip, lr=LR,
+                                       weight_decay=0.1)
+            norms = []
+            losses = _train(model, opt, rank, world_size, accum=accum,
+                            zero_grad=lambda o=opt, n=norms: (o.zero_grad(), n.append(o.grad_norm)))
+            _assert_close_curve(losses, clip_losses if clip else ref_losses, what=what)
+            _assert_weights(model, clip_state if clip else ref_state, what)
+            if clip:
+                torch.testing.assert_close(torch.stack(norms), torch.tensor(clip_norms), rtol=1e-5, atol=0)
+            # Optimizer states: counted from the tensors; all ranks together hold exactly the full state, each
+            # rank 1/dp of it up to bucket padding (< dp elements per bucket).
+            held = [None] * world_size
+            dist.all_gather_object(held, opt.state_bytes())
+            assert sum(held) == full_state_bytes, (what, held, full_state_bytes)
+            slack = 2 * 4 * world_size * len(model.buckets)
+            assert max(held) <= full_state_bytes / world_size + slack, (what, held)
+            assert opt.master_bytes() == 0  # fp32 params: masters are views of the parameters
+
+
+@multi_rank(world_sizes=[2])
+@_single_threaded
+def test_zero_state_dict_round_trip_and_layout(world_size, ref):
+    """Save ZeRO-1 state at step 10, load into fresh objects, finish: same losses and weights as 20 steps straight."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.mesh import init_mesh
+    from vescale.dtensor import RaggedShard
+    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, ZeroError
+
+    ref_losses, _, ref_state = ref["plain"]
+    mesh = init_mesh({"dp": world_size})
+    rank = dist.get_rank()
+
+    model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, zero_stage=1)
+    opt = DistributedOptimizer(torch.optim.AdamW, model, lr=LR, weight_decay=0.1)
+    first = _train(model, opt, rank, world_size, steps=10)
+    sd = opt.state_dict()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    # The layout: every parameter's flattened local tensor is covered by the dp ranks' ranges, in order, no gaps.
+    for fqn, info in sd["shards"].items():
+        numel = torch.Size(info["local_shape"]).numel()
+        spans = [r for r in info["ranges"] if r[1] > r[0]]
+        assert spans[0][0] == 0 and spans[-1][1] == numel, (fqn, info)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (fqn, info)
+        # The same layout as a vescale RaggedShard of the flattened tensor over dp.
+        assert info["placement"] == RaggedShard((0,), [b - a for a, b in info["ranges"]]), (fqn, info)
+        assert [list(info["placement"].local_range((numel,), r)) for r in range(world_size)] == info["ranges"]
+        lo, hi = info["ranges"][rank]
+        if hi > lo:
+            assert sd["state"][fqn]["exp_avg"].numel() == hi - lo
+    assert sd["dp_size"] == world_size and sd["param_groups"][0]["lr"] == LR
+
+    torch.manual_seed(123)  # a different init, overwritten by the loaded weights and state
+    fresh = _model(seed=7)
+    fresh.load_state_dict(weights)
+    model2 = DistributedDataParallel(fresh, mesh, bucket_size_mb=0.004, zero_stage=1)
+    opt2 = DistributedOptimizer(torch.optim.AdamW, model2, lr=1.0, weight_decay=0.0)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == LR
+    second = []
+    rows = BATCH // world_size
+    from vescale.core.testing.models import cross_entropy
+
+    for step in range(10, 20):
+        x, y = _batch(step)
+        loss = cross_entropy(model2(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        opt2.step()
+        opt2.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        second.append(t.item() / world_size)
+    _assert_close_curve(first + second, ref_losses, what="resumed")
+    _assert_weights(model2, ref_state, "resumed")
+
+    # A different bucket layout is refused, naming the parameter.
+    model3 = DistributedDataParallel(_model(), mesh, bucket_size_mb=1, zero_stage=1)
+    opt3 = DistributedOptimizer(torch.optim.AdamW, model3, lr=LR)
+    with pytest.raises(ZeroError, match="reshard with vescale-checkpoint"):
+        opt3.load_state_dict(sd)
+
+
+@multi_rank(world_sizes=[2])
+@_single_threaded
+def test_bf16_params_with_fp32_master_converge_like_fp32(world_size, ref):
+    """bf16 params/compute, fp32 grads and master weights (ZeRO 2): the loss curve stays within 2% of fp32."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+
+    ref_losses, _, ref_state = ref["plain"]
+    mesh = init_mesh({"dp": world_size})
+    model = DistributedDataParallel(_model().to(torch.bfloat16), mesh, zero_stage=2, grad_dtype=torch.float32)
+    opt = DistributedOptimizer(torch.optim.AdamW, model, zero_stage=2, lr=LR, weight_decay=0.1)
+    assert all(pc.master.dtype == torch.float32 for pc in opt.pieces.values())
+    assert opt.master_bytes() > 0
+    # The GPT's rotary tables are fp32; autocast keeps every matmul in bf16.
+    losses = _train(model, opt, dist.get_rank(), world_size, autocast=torch.bfloat16)
+    # bf16 forward/backward: ~3 significant digits per op; 2% per step bounds the drift over 20 steps here.
+    _assert_close_curve(losses, ref_losses, rel=2e-2, what="bf16")
+    assert losses[-1] < losses[0] - 0.05  # it does learn
+    # Weights stay bf16 and track the fp32 run: per tensor, |w_bf16 - w_fp32| <= 5% of |w_fp32| (Frobenius).
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.bfloat16, k
+        err = ((v.float() - ref_state[k]).norm() / ref_state[k].norm()).item()
+        assert err <= 0.05, (k, err)
+
+
+@multi_rank(world_sizes=[1])
+def test_bad_input_raises_clear_errors():
+    import torch
+
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import DDPError, DistributedDataParallel, DistributedOptimizer, ZeroError
+
+    mesh = init_mesh({"dp": 1, "tp": 1})
+    with pytest.raises(DDPError, match="zero_stage must be 0, 1 or 2.*fully_shard"):
+        DistributedDataParallel(_model(), mesh, zero_stage=3)
+    with pytest.raises(DDPError, match=r"dimensions \['pp', 'tp'\].*'dp' dimension"):
+        DistributedDataParallel(_model(), init_mesh({"pp": 1, "tp": 1}))
+    with pytest.raises(DDPError, match="DeviceMesh or ProcessGroup, got str"):
+        DistributedDataParallel(_model(), "dp")
+    model = _model()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().t().contiguous().t())
+    with pytest.raises(DDPError, match="lm_head.weight.*not contiguous"):
+        DistributedDataParallel(model, mesh)
+    ddp = DistributedDataParallel(_model(), mesh, zero_stage=1)
+    with pytest.raises(ZeroError, match="needs a vescale.parallel.DistributedDataParallel"):
+        DistributedOptimizer(torch.optim.AdamW, _model())
+    with pytest.raises(ZeroError, match=r"zero_stage=2\) needs a DistributedDataParallel with zero_stage=2, got .*=1"):
+        DistributedOptimizer(torch.optim.AdamW, ddp, zero_stage=2)
+    with pytest.raises(ZeroError, match="LBFGS is not elementwise"):
+        DistributedOptimizer(torch.optim.LBFGS, ddp)
+
+
+class _TwoLayer:
+    """Module factory kept at module level (ranks import it): Linear -> Linear, plus an unused Linear."""
+
+    @staticmethod
+    def make(dtype):
+        import torch
+
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(6, 5), "b": torch.nn.Linear(5, 3),
+                                     "unused": torch.nn.Linear(2, 2)})
+        return model.to(dtype)
+
+
+def _two_layer_loss(model, x):
+    import torch
+
+    return model["b"](torch.tanh(model["a"](x))).square().mean()
+
+
+@multi_rank(world_sizes=[2])
+def test_low_precision_grad_semantics_match_single_device(world_size):
+    """bf16 params + fp32 grad buffer, ZeRO 0: .grad accumulates across backwards and clears like on one device;
+    an unused parameter gets a zero gradient. Reference: fp32 single-device gradients (tolerance: bf16, 2e-2)."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import DistributedDataParallel
+
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    ref = _TwoLayer.make(torch.float32)
+    _two_layer_loss(ref, x).backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+    model = DistributedDataParallel(_TwoLayer.make(torch.bfloat16), init_mesh({"dp": 2}))
+    rows = x[dist.get_rank() * 4:(dist.get_rank() + 1) * 4].bfloat16()
+
+    def check(scale):
+        for n, p in model.module.named_parameters():
+            assert p.grad is not None and p.grad.dtype == torch.bfloat16, n
+            expect = want.get(n, torch.zeros_like(p, dtype=torch.float32)) * scale
+            torch.testing.assert_close(p.grad.float(), expect, rtol=2e-2, atol=2e-3, msg=lambda m, n=n: f"{n}: {m}")
+
+    _two_layer_loss(model.module, rows).backward()
+    check(1)
+    _two_layer_loss(model.module, rows).backward()  # no zero_grad: gradients add up, as on one device
+    check(2)
+    for p in model.parameters():
+        p.grad = None  # what torch.optim's zero_grad() does
+    _two_layer_loss(model.module, rows).backward()
+    check(1)

@@ -1,0 +1,407 @@
+"""PipeEngine: run one global batch through the pipeline stages of this rank under a schedule.
+
+Semantics (single-device equivalence): ``engine.step(batch, target)`` splits ``batch`` and ``target`` along dim 0
+into ``M`` microbatches, runs forward and backward of every microbatch through all stages, and leaves in each local
+parameter's ``.grad`` the sum over microbatches of ``d(loss_fn(out_m, target_m) / M)`` - what one device computes
+by accumulating ``(loss_fn(model(x_m), t_m) / M).backward()`` over the same microbatches. It returns the mean
+microbatch loss on every pipeline rank. Gradients accumulate into ``.grad`` like ``backward`` does: zero them between
+steps (``optimizer.zero_grad()``).
+
+Collectives it issues: at construction, one ``all_gather_object`` over the pp group (errors and parameter FQNs);
+per step, p2p sends/receives between neighbouring stages (tagged, batched), one ``all_reduce`` over the pp group for
+parameters held by several stages (tied embeddings), one ``all_reduce`` over ``dp`` (when given) of every local
+gradient, and one ``broadcast`` of the loss from the rank holding the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vescale.pipe import _p2p
+from vescale.pipe._backward import backward_full, backward_input, backward_weight
+from vescale.pipe.errors import PipeError, ScheduleError
+from vescale.pipe.schedule import COMM_OPS, PipeSchedule, build_schedule
+from vescale.pipe.timeline import span
+from vescale.pipe.validate import ScheduleReport, validate_schedule
+
+__all__ = ["PipeEngine", "split_microbatches"]
+
+_FWD, _BWD = 0, 1
+_CATEGORY = {"F": "forward", "B": "backward", "BI": "backward_input", "BW": "backward_weight"}
+
+
+def split_microbatches(obj: Any, num_microbatches: int, what: str = "batch") -> list[Any]:
+    """Split every tensor in ``obj`` (tensor, tuple/list, dict, nested) along dim 0 into equal microbatches.
+
+    Non-tensor leaves are repeated in every microbatch. Raises :class:`PipeError` naming the path and shape of a
+    tensor whose dim 0 is not a multiple of ``num_microbatches``.
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0 or obj.shape[0] % num_microbatches:
+            raise PipeError(f"{what} has shape {tuple(obj.shape)}: dim 0 must be a multiple of "
+                            f"num_microbatches={num_microbatches}")
+        return list(obj.chunk(num_microbatches))
+    if isinstance(obj, (tuple, list)):
+        parts = [split_microbatches(v, num_microbatches, f"{what}[{i}]") for i, v in enumerate(obj)]
+        return [type(obj)(p[m] for p in parts) for m in range(num_microbatches)]
+    if isinstance(obj, Mapping):
+        parts = {k: split_microbatches(v, num_microbatches, f"{what}[{k!r}]") for k, v in obj.items()}
+        return [{k: p[m] for k, p in parts.items()} for m in range(num_microbatches)]
+    return [obj] * num_microbatches
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class PipeEngine:
+    """Pipeline runtime for the stages of this rank.
+
+    ``stages``: every stage of the pipeline in order (entries for other ranks may be ``None``), or a mapping
+    ``{stage index: module}`` of this rank's stages together with ``num_stages``. A stage is any ``nn.Module``: stage
+    0 is called with the microbatch (``stage(*mb)`` for a tuple, ``stage(**mb)`` for a dict, ``stage(mb)`` for a
+    tensor), later stages with the previous stage's outputs (a tensor or a tuple of tensors), and ``loss_fn(output,
+    target_mb)`` is applied to the last stage's output. Parameters of different stages are the same (tied) parameter
+    when their FQNs match, or map to the same name in the stage's ``canonical_names`` dict (as :func:`split` sets);
+    their gradients are summed over the pp group. ``pp`` is a process group, a 1-D DeviceMesh, or a named
+    nD DeviceMesh with a ``pp`` dimension (then ``dp``, when present and ``dp_group`` is not given, averages
+    gradients over stage replicas). ``schedule`` is a registered name or a :class:`PipeSchedule`.
+
+    Raises :class:`ScheduleError` (too few microbatches, wrong stage count for the schedule) or
+    :class:`PipeError` (a stage missing for this rank) on every rank before any p2p traffic.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module | None] | Mapping[int, nn.Module], pp: Any = None, *,
+                 schedule: str | PipeSchedule = "1f1b", num_microbatches: int,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], num_stages: int | None = None,
+                 dp_group: Any = None) -> None:
+        self.group, self.dp_group, self.mesh = self._resolve_groups(pp, dp_group)
+        self.pp_rank = dist.get_rank(self.group)
+        self.pp_size = dist.get_world_size(self.group)
+        self.peers = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+        if isinstance(stages, Mapping):
+            if num_stages is None:
+                raise PipeError("pass num_stages=... when stages is a mapping of this rank's stages")
+            all_stages: list = [stages.get(i) for i in range(num_stages)]
+        else:
+            all_stages = list(stages)
+            if num_stages is not None and num_stages != len(all_stages):
+                raise PipeError(f"num_stages={num_stages} but {len(all_stages)} stages were given")
+        self.num_stages = len(all_stages)
+        self.num_microbatches = num_microbatches
+        if isinstance(schedule, str):
+            self.schedule = build_schedule(schedule, self.pp_size, num_microbatches, self.num_stages)
+        else:
+            self.schedule = schedule
+            if (schedule.num_ranks, schedule.num_stages, schedule.num_microbatches) != (
+                    self.pp_size, self.num_stages, num_microbatches):
+                raise ScheduleError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks x "
+                                    f"{schedule.num_stages} stages x {schedule.num_microbatches} microbatches; the "
+                                    f"engine has {self.pp_size} x {self.num_stages} x {num_microbatches}")
+        self.report: ScheduleReport = validate_schedule(self.schedule)
+        self.loss_fn = loss_fn
+        self.owner = self.schedule.stage_to_rank
+        self.local_ids = self.schedule.stages_of(self.pp_rank)
+        errors = [f"pp rank {self.pp_rank} has no module for stage {s} (schedule {self.schedule.name!r} places it "
+                  "here)" for s in self.local_ids if not isinstance(all_stages[s], nn.Module)]
+        self.stages: dict[int, nn.Module] = {s: all_stages[s] for s in self.local_ids if not errors}
+        self._params: dict[str, list[nn.Parameter]] = {}
+        for s in self.stages.values():
+            aliases = getattr(s, "canonical_names", {})
+            for name, p in s.named_parameters(remove_duplicate=False):
+                key = aliases.get(name, name)
+                if p.requires_grad and not any(p is q for q in self._params.setdefault(key, [])):
+                    self._params[key].append(p)
+        info = {n: (tuple(_local(ps[0]).shape), str(ps[0].dtype).replace("torch.", ""))
+                for n, ps in self._params.items()}
+        gathered: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(gathered, (errors, info), group=self.group)
+        all_errors = [e for errs, _ in gathered for e in errs]
+        if all_errors:
+            raise PipeError("; ".join(all_errors))
+        holders: dict[str, list] = {}
+        for r, (_, inf) in enumerate(gathered):
+            for n, meta in inf.items():
+                holders.setdefault(n, []).append((r, meta))
+        self.shared = {n: h[0][1] for n, h in sorted(holders.items()) if len(h) > 1}
+        try:
+            self.device = next(p for ps in self._params.values() for p in ps).device
+        except StopIteration:
+            self.device = torch.device("cpu")
+        self._step = 0
+
+    @staticmethod
+    def _resolve_groups(pp: Any, dp_group: Any) -> tuple[Any, Any, Any]:
+        if pp is None:
+            return None, dp_group, None
+        if hasattr(pp, "mesh_dim_names"):
+            names = tuple(pp.mesh_dim_names or ())
+            if pp.ndim == 1:
+                return pp.get_group(), dp_group, pp
+            if "pp" not in names:
+                raise PipeError(f"the mesh has dimensions {list(names)}; PipeEngine needs a 'pp' dimension")
+            if dp_group is None and "dp" in names:
+                dp_group = pp["dp"].get_group()
+            return pp["pp"].get_group(), dp_group, pp
+        return pp, dp_group, None
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The distinct trainable parameters of this rank's stages (give them to the optimizer)."""
+        seen: dict[int, nn.Parameter] = {}
+        for ps in self._params.values():
+            for p in ps:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    # ------------------------------------------------------------------ step
+    def step(self, batch: Any = None, target: Any = None) -> torch.Tensor:
+        """Forward and backward of one global batch; returns the mean microbatch loss (a 0-d tensor, every rank).
+
+        ``batch`` is needed on the rank holding stage 0, ``target`` on the rank holding the last stage (passing
+        both everywhere is fine and lets every rank check the shapes).
+        """
+        S, M = self.num_stages, self.num_microbatches
+        self._mbs = self._tgts = None
+        if 0 in self.stages or batch is not None:
+            if batch is None:
+                raise PipeError(f"pp rank {self.pp_rank} holds stage 0 and needs the batch")
+            self._mbs = split_microbatches(batch, M, "batch")
+        if S - 1 in self.stages or target is not None:
+            if target is None:
+                raise PipeError(f"pp rank {self.pp_rank} holds the last stage and needs the target")
+            self._tgts = split_microbatches(target, M, "target")
+        self._inputs: dict = {}      # (stage, mb) -> input tensors (received or handed over locally)
+        self._saved: dict = {}       # (stage, mb) -> (input leaves needing grad, roots, root metas)
+        self._out_grads: dict = {}   # (stage, mb) -> gradients of the stage's outputs
+        self._to_send: dict = {}     # (op, stage, mb) -> tensors
+        self._pending: dict = {}     # (stage, mb) -> PendingWeightGrad
+        self._in_meta: dict = {}     # stage -> [(shape, dtype, requires_grad)] of its inputs, this step
+        self._losses: dict = {}
+        self._sends: list = []
+        # Tied gradients are summed over ranks per step: keep what .grad held before, sum only this step's part.
+        self._before = {n: [None if p.grad is None else _local(p.grad).clone() for p in self._params.get(n, [])]
+                        for n in self.shared}
+        acts = self.schedule.actions[self.pp_rank]
+        i = 0
+        while i < len(acts):
+            if acts[i].op in COMM_OPS:
+                j = i
+                while j < len(acts) and acts[j].op in COMM_OPS:
+                    j += 1
+                self._communicate(acts[i:j])
+                i = j
+            else:
+                self._compute(acts[i])
+                i += 1
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+        leftovers = {k: len(v) for k, v in (("inputs", self._inputs), ("saved", self._saved),
+                                            ("pending", self._pending), ("to_send", self._to_send)) if v}
+        if leftovers:
+            raise ScheduleError(f"schedule {self.schedule.name!r} left work undone on pp rank {self.pp_rank}: "
+                                f"{leftovers}")
+        self._reduce_shared()
+        self._reduce_dp()
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if S - 1 in self.stages:
+            loss = torch.stack([self._losses[m] for m in range(M)]).float().mean().to(self.device)
+        with span("loss broadcast", "collective"):
+            dist.broadcast(loss, src=self.peers[self.owner[S - 1]], group=self.group)
+        self._step += 1
+        return loss
+
+    def _compute(self, a) -> None:
+        s, m = a.stage, a.mb
+        S = self.num_stages
+        with span(f"{a.op}{m}" + (f"s{s}" if len(self.local_ids) > 1 else ""), _CATEGORY[a.op],
+                  stage=s, mb=m, step=self._step):
+            if a.op == "F":
+                self._forward(s, m)
+                return
+            if a.op == "BW":
+                backward_weight(self._pending.pop((s, m)))
+                return
+            leaves, roots, _ = self._saved.pop((s, m))
+            grads = None if s == S - 1 else self._out_grads.pop((s, m))
+            if not roots:
+                in_grads = [None] * len(leaves)
+                if a.op == "BI":
+                    self._pending[(s, m)] = _nothing()
+            elif a.op == "B":
+                in_grads = backward_full(roots, grads, leaves)
+            else:
+                in_grads, self._pending[(s, m)] = backward_input(roots, grads, leaves)
+            in_grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(in_grads, leaves)]
+            if s > 0:
+                if self.owner[s - 1] == self.pp_rank:
+                    self._out_grads[(s - 1, m)] = in_grads
+                else:
+                    self._to_send[("SEND_B", s, m)] = in_grads
+
+    def _forward(self, s: int, m: int) -> None:
+        S, M = self.num_stages, self.num_microbatches
+        stage = self.stages[s]
+        if s == 0:
+            mb = self._mbs[m]
+            leaves: list[torch.Tensor] = []
+            if isinstance(mb, Mapping):
+                out = stage(**mb)
+            elif isinstance(mb, (tuple, list)):
+                out = stage(*mb)
+            else:
+                out = stage(mb)
+        else:
+            raw = self._inputs.pop((s, m))
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in raw]
+            leaves = [t for t in inputs if t.requires_grad]
+            out = stage(*inputs)
+        if s == S - 1:
+            loss = self.loss_fn(out, self._tgts[m])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise PipeError(f"loss_fn must return a one-element tensor, got {type(loss).__name__}")
+            self._losses[m] = loss.detach()
+            roots = [loss / M] if loss.requires_grad else []
+            self._saved[(s, m)] = (leaves, roots, None)
+            return
+        outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        bad = [i for i, o in enumerate(outs) if not isinstance(o, torch.Tensor)]
+        if bad:
+            raise PipeError(f"stage {s} output(s) {bad} are not tensors ({[type(outs[i]).__name__ for i in bad]}); "
+                            "non-last stages must return a tensor or a tuple of tensors")
+        # An input passed straight through must stay connected to its leaf for the backward.
+        outs = tuple(o.view_as(o) if o.requires_grad and o.grad_fn is None else o for o in outs)
+        roots = [o for o in outs if o.requires_grad]
+        self._saved[(s, m)] = (leaves, roots, None)
+        if self.owner[s + 1] == self.pp_rank:
+            self._inputs[(s + 1, m)] = outs
+        else:
+            self._to_send[("SEND_F", s, m)] = outs
+
+    def _communicate(self, acts) -> None:
+        S, M = self.num_stages, self.num_microbatches
+        first: list = []
+        headers: list = []
+        data_recvs: list = []
+        for a in acts:
+            s, m = a.stage, a.mb
+            if a.op == "SEND_F":
+                outs = self._to_send.pop(("SEND_F", s, m))
+                peer = self.peers[self.owner[s + 1]]
+                if m == 0:
+                    first.append(("send", _p2p.encode_header(list(outs), s, self.device), peer,
+                                  _p2p.tag(_FWD, s, m, 0, S, M)))
+                for i, t in enumerate(outs):
+                    first.append(("send", t.detach().contiguous(), peer, _p2p.tag(_FWD, s, m, i + 1, S, M)))
+            elif a.op == "SEND_B":
+                grads = self._to_send.pop(("SEND_B", s, m))
+                peer = self.peers[self.owner[s - 1]]
+                for i, g in enumerate(grads):
+                    first.append(("send", _local(g).detach().contiguous(), peer, _p2p.tag(_BWD, s, m, i + 1, S, M)))
+            elif a.op == "RECV_F":
+                if m == 0:
+                    buf = torch.empty(_p2p.HEADER_LEN, dtype=torch.int64, device=self.device)
+                    headers.append((s, buf))
+                    first.append(("recv", buf, self.peers[self.owner[s - 1]], _p2p.tag(_FWD, s - 1, m, 0, S, M)))
+                data_recvs.append(a)
+            else:  # RECV_B
+                data_recvs.append(a)
+        with span("p2p " + " ".join(str(a) for a in acts), "p2p"):
+            for kind, w in _p2p.post(first, self.group):
+                if kind == "send":
+                    self._sends.append(w)
+                else:
+                    w.wait()
+            for s, buf in headers:
+                self._in_meta[s] = _p2p.decode_header(buf)
+            second, targets = [], []
+            for a in data_recvs:
+                s, m = a.stage, a.mb
+                if a.op == "RECV_F":
+                    if s not in self._in_meta:
+                        raise ScheduleError(f"pp rank {self.pp_rank} receives stage {s} microbatch {m} before "
+                                            "microbatch 0, whose message carries the shapes")
+                    bufs = [torch.empty(shape, dtype=dt, device=self.device).requires_grad_(False)
+                            for shape, dt, _ in self._in_meta[s]]
+                    peer, sender, kind = self.peers[self.owner[s - 1]], s - 1, _FWD
+                    targets.append((a, bufs))
+                else:
+                    leaves, roots, _ = self._saved[(s, m)]
+                    bufs = [torch.empty(_local(r).shape, dtype=r.dtype, device=self.device) for r in roots]
+                    peer, sender, kind = self.peers[self.owner[s + 1]], s + 1, _BWD
+                    targets.append((a, bufs))
+                for i, b in enumerate(bufs):
+                    second.append(("recv", b, peer, _p2p.tag(kind, sender, m, i + 1, S, M)))
+            for _, w in _p2p.post(second, self.group):
+                w.wait()
+        for a, bufs in targets:
+            if a.op == "RECV_F":
+                flags = [rg for _, _, rg in self._in_meta[a.stage]]
+                self._inputs[(a.stage, a.mb)] = [b.requires_grad_(rg) for b, rg in zip(bufs, flags)]
+            else:
+                self._out_grads[(a.stage, a.mb)] = bufs
+
+    # --------------------------------------------------------- gradient sums
+    def _reduce_shared(self) -> None:
+        """Sum gradients of parameters held by several pp ranks (tied embeddings) over the pp group."""
+        if not self.shared:
+            return
+        flat = []
+        for name, (shape, dtype) in self.shared.items():
+            ps = self._params.get(name)
+            if ps:
+                total = torch.zeros_like(_local(ps[0]))
+                for p, old in zip(ps, self._before[name]):
+                    if p.grad is not None:
+                        total += _local(p.grad) if old is None else _local(p.grad) - old
+                flat.append(total.reshape(-1))
+            else:
+                flat.append(torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device).reshape(-1))
+        buf = torch.cat(flat)
+        with span("tied grad all_reduce", "collective"):
+            dist.all_reduce(buf, group=self.group)
+        offset = 0
+        for name, (shape, _) in self.shared.items():
+            n = int(torch.Size(shape).numel())
+            for p, old in zip(self._params.get(name, []), self._before[name]):
+                value = buf[offset:offset + n].view(shape)
+                if old is not None:
+                    value = old + value
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    _local(p.grad).copy_(value)
+            offset += n
+
+    def _reduce_dp(self) -> None:
+        """Average every local gradient over the data-parallel group (stage replicas)."""
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+            return
+        params = [p for p in self.parameters() if p.grad is not None]
+        if not params:
+            return
+        n = dist.get_world_size(self.dp_group)
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        with span("dp grad all_reduce", "collective"):
+            for ps in by_dtype.values():
+                locs = [_local(p.grad) for p in ps]
+                buf = torch.cat([g.reshape(-1) for g in locs])
+                dist.all_reduce(buf, group=self.dp_group)
+                buf /= n
+                offset = 0
+                for g in locs:
+                    g.copy_(buf[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+
+def _nothing():
+    from vescale.pipe._backward import PendingWeightGrad
+
+    return PendingWeightGrad()

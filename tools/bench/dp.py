@@ -1,0 +1,172 @@
+"""Benchmark vescale data parallelism against PyTorch's own, same model and ranks, one run.
+
+    python tools/bench/dp.py [--small] [--world-size N] [--steps N]
+
+Compares, per rank (the slowest rank's median step time; peak memory of the rank process):
+  * vescale ``DistributedDataParallel`` (ZeRO 0)  vs  ``torch.nn.parallel.DistributedDataParallel``
+  * vescale ZeRO 2 (DDP ``zero_stage=2`` + ``DistributedOptimizer``)  vs  torch ``fully_shard`` with
+    ``reshard_after_forward=False`` (FSDP2 in its ZeRO-2-like mode)
+all with ``torch.optim.AdamW`` on the nanoGPT-style GPT of ``vescale.core.testing.models``. Every configuration runs in
+fresh rank processes, so peak memory is its own: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the growth of the
+process's peak RSS over its size before the model was built. Optimizer-state bytes are counted from the state
+tensors. Prints one JSON object with the figures and the ratios (vescale / torch; < 1 is better for vescale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+
+def _config(small: bool):
+    from vescale.core.testing.models import GPTConfig
+
+    if small:
+        return GPTConfig(vocab_size=256, d_model=64, n_layer=2, n_head=4, max_seq_len=64), 4, 64
+    return GPTConfig(vocab_size=8192, d_model=384, n_layer=4, n_head=6, max_seq_len=128), 8, 128
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _run(method: str, small: bool, steps: int) -> dict:
+    """One configuration on this rank; returns its figures (called on every rank)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(1)
+        # Warm the process (imports, allocator, collectives) on the tiny model so that the growth of peak RSS after
+        # this point is the real model's.
+        _train(method, *_config(True), 1, device, cuda)
+        gc.collect()
+    base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, state, numel = _train(method, *_config(small), steps, device, cuda)
+    peak = (torch.cuda.max_memory_allocated() if cuda else _rss_bytes()) - base
+    # The slowest rank's median step, and the largest per-rank memory figures.
+    worst = torch.tensor([statistics.median(times), peak, state], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"step_s": worst[0].item(), "peak_mem_bytes": int(worst[1].item()), "opt_state_bytes": int(worst[2].item()),
+            "full_opt_state_bytes": 2 * 4 * numel, "params": numel}
+
+
+def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: bool):
+    """Build ``method`` around a fresh GPT and time ``steps`` AdamW steps: (step times, opt-state bytes, numel)."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.testing.models import GPT, cross_entropy
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    numel = sum(p.numel() for p in model.parameters())
+
+    if method == "torch_ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif method == "vescale_ddp":
+        from vescale.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, dist.group.WORLD)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif method == "torch_fsdp2_no_reshard":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif method == "vescale_zero2":
+        from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+
+        model = DistributedDataParallel(model, dist.group.WORLD, zero_stage=2)
+        opt = DistributedOptimizer(torch.optim.AdamW, model, zero_stage=2, lr=1e-4)
+    else:
+        raise ValueError(method)
+
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(steps + 1):  # one warm-up step
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= 1:
+            times.append(time.perf_counter() - t0)
+    inner = opt.optimizer if hasattr(opt, "optimizer") and method == "vescale_zero2" else opt
+    state = 0
+    for st in inner.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                local = v.to_local() if hasattr(v, "to_local") else v
+                state += local.numel() * local.element_size()
+    return times, state, numel
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny model, few steps (a smoke run)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args(argv)
+    steps = args.steps or (3 if args.small else 10)
+
+    from vescale.core.launch import spawn
+
+    results = {}
+    for method in ("torch_ddp", "vescale_ddp", "torch_fsdp2_no_reshard", "vescale_zero2"):
+        results[method] = spawn(_run, args.world_size, method, args.small, steps)
+    full = results["vescale_zero2"]["full_opt_state_bytes"]
+    dp = args.world_size
+    out = {
+        "bench": "dp",
+        "world_size": args.world_size,
+        "small": args.small,
+        "steps": steps,
+        "params": results["torch_ddp"]["params"],
+        "memory_measure": "cuda max_memory_allocated" if _cuda_ranks(args.world_size) else "peak RSS growth",
+        "results": results,
+        "ddp_step_time_ratio": results["vescale_ddp"]["step_s"] / results["torch_ddp"]["step_s"],
+        "ddp_peak_mem_ratio": _ratio(results["vescale_ddp"]["peak_mem_bytes"], results["torch_ddp"]["peak_mem_bytes"]),
+        "zero2_step_time_ratio": results["vescale_zero2"]["step_s"] / results["torch_fsdp2_no_reshard"]["step_s"],
+        "zero2_peak_mem_ratio": _ratio(results["vescale_zero2"]["peak_mem_bytes"],
+                                       results["torch_fsdp2_no_reshard"]["peak_mem_bytes"]),
+        "zero2_opt_state_vs_full_over_dp": results["vescale_zero2"]["opt_state_bytes"] * dp / full,
+        "fsdp2_opt_state_vs_full_over_dp": results["torch_fsdp2_no_reshard"]["opt_state_bytes"] * dp / full,
+    }
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _cuda_ranks(world_size: int) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,215 @@
+"""Benchmark vescale tensor/sequence parallelism against PyTorch's own, same model, mesh and ranks, one run.
+
+    python tools/bench/tp.py [--small] [--tp 2 4] [--steps N]
+
+One training step (forward, vocab-parallel loss, backward, SGD step) of the Llama-shaped GPT of
+``vescale.core.testing.models`` (~30M parameters; ``--small``: ~0.3M) on a ``tp`` mesh with sequence parallelism:
+
+* vescale: ``vescale.parallel.parallelize_module`` with ``gpt_plan(sequence_parallel=True, loss_parallel=True)`` and
+  ``vocab_parallel_cross_entropy``;
+* torch: ``torch.distributed.tensor.parallel.parallelize_module`` with the canonical (torchtitan) Llama plan
+  (Colwise/Rowwise/SequenceParallel/PrepareModuleInput, ``loss_parallel``).
+
+Both run in the same rank processes, steps interleaved (vescale, torch, vescale, ...) so machine noise hits both.
+Reports the median step time of the slowest rank, the ratio vescale / torch (target <= 1.05), the bytes each rank
+sends through collectives per step (payload of every all-reduce / all-gather / reduce-scatter / all-to-all issued,
+counted at the dispatcher and at ``torch.distributed``), their ratio (target 1.0), and the loss difference after
+the steps as a sanity check. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _config(small: bool):
+    from vescale.core.testing.models import GPTConfig
+
+    if small:
+        return GPTConfig(vocab_size=512, d_model=64, n_layer=2, n_head=4, ffn_hidden=192, max_seq_len=64), 4, 64
+    return GPTConfig(vocab_size=8192, d_model=512, n_layer=6, n_head=8, ffn_hidden=1408, max_seq_len=256), 4, 256
+
+
+class _ByteCounter:
+    """Bytes this rank hands to collectives: functional collectives (DTensor) and eager ``torch.distributed`` calls."""
+
+    _FUNCS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+              "all_reduce_coalesced", "all_gather", "reduce_scatter", "broadcast")
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ns = func.namespace
+                if ns in ("_c10d_functional", "c10d_functional", "c10d"):
+                    counter.add(func.__name__, args)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.bytes = 0
+        self.calls: dict[str, int] = {}
+
+    def add(self, name: str, args) -> None:
+        import torch
+
+        base = name.split(".")[0]
+        if base not in self._FUNCS:  # wait_tensor and friends move no data
+            return
+        t = args[0]
+        tensors = t if isinstance(t, (list, tuple)) else [t]
+        n = sum(x.numel() * x.element_size() for x in tensors if isinstance(x, torch.Tensor))
+        if base == "all_gather_into_tensor":
+            n *= int(args[1])  # (input, group_size, group_name): count the gathered output
+        self.bytes += n
+        self.calls[base] = self.calls.get(base, 0) + 1
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self._orig = {}
+        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+            orig = getattr(dist, name)
+            self._orig[name] = orig
+
+            def wrapped(*a, _orig=orig, _name=name, **k):
+                # all_reduce(tensor), all_gather_into_tensor(output, input), reduce_scatter_tensor(output, input)
+                tensor = a[1] if _name == "reduce_scatter_tensor" else a[0]
+                self.bytes += tensor.numel() * tensor.element_size()
+                self.calls["dist." + _name] = self.calls.get("dist." + _name, 0) + 1
+                return _orig(*a, **k)
+
+            setattr(dist, name, wrapped)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        self.mode.__exit__(*exc)
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
+
+
+def _torch_plan(model, mesh):
+    """torchtitan's Llama TP+SP plan, spelled for this model's FQNs."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "attn_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                       desired_input_layouts=(Replicate(), None, None)),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.w_gate": ColwiseParallel(), "mlp.w_up": ColwiseParallel(),
+            "mlp.w_down": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return model
+
+
+def _rank_main(small: bool, tp: int, steps: int, warmup: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+
+    from vescale.core.mesh import init_mesh
+    from vescale.core.testing.models import GPT
+    from vescale.parallel import parallelize_module, vocab_parallel_cross_entropy
+    from vescale.parallel.plans import gpt_plan
+
+    torch.set_num_threads(1)
+    cfg, batch, seq = _config(small)
+    mesh = init_mesh({"tp": tp})
+    torch.manual_seed(0)
+    ours = GPT(cfg)
+    theirs = GPT(cfg)
+    theirs.load_state_dict(ours.state_dict())
+    n_params = sum(p.numel() for p in ours.parameters())
+    parallelize_module(ours, mesh, gpt_plan(mesh, sequence_parallel=True, loss_parallel=True))
+    _torch_plan(theirs, mesh)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=1e-2)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+
+    def step_ours() -> float:
+        loss = vocab_parallel_cross_entropy(ours(tokens), targets)
+        loss.backward()
+        opt_ours.step()
+        opt_ours.zero_grad(set_to_none=True)
+        return loss.to_local().item()
+
+    def step_theirs() -> float:
+        logits = theirs(tokens)
+        with torch_loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+        opt_theirs.step()
+        opt_theirs.zero_grad(set_to_none=True)
+        return loss.to_local().item()
+
+    with _ByteCounter() as c_ours:
+        step_ours()
+    with _ByteCounter() as c_theirs:
+        step_theirs()
+    for _ in range(warmup):
+        step_ours()
+        step_theirs()
+    t_ours, t_theirs = [], []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss_ours = step_ours()
+        t_ours.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss_theirs = step_theirs()
+        t_theirs.append(time.perf_counter() - t0)
+    med = torch.tensor([statistics.median(t_ours), statistics.median(t_theirs)], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    return {"tp": tp, "params": n_params, "vescale_step_s": round(med[0].item(), 4),
+            "torch_step_s": round(med[1].item(), 4), "time_ratio": round(med[0].item() / med[1].item(), 3),
+            "vescale_bytes_per_step": c_ours.bytes, "torch_bytes_per_step": c_theirs.bytes,
+            "bytes_ratio": round(c_ours.bytes / max(c_theirs.bytes, 1), 4),
+            "vescale_collectives": c_ours.calls, "torch_collectives": c_theirs.calls,
+            "loss_diff_after_steps": abs(loss_ours - loss_theirs)}
+
+
+def main() -> None:
+    from vescale.core.launch import spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny model, few steps (the nox bench session)")
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args()
+    steps = args.steps or (3 if args.small else 8)
+    warmup = 1 if args.small else 2
+    results = [spawn(_rank_main, tp, args.small, tp, steps, warmup) for tp in args.tp]
+    print(json.dumps({"benchmark": "tp", "small": args.small, "steps": steps, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
