@@ -96,18 +96,26 @@ def plan_for(name: str, tp_mesh, sequence_parallel: bool) -> dict:
     return getattr(plans, f"{family}_plan")(tp_mesh, dp=None, sequence_parallel=sequence_parallel)
 
 
-def stage_parallel(stage: torch.nn.Module, tp_mesh, plan: dict) -> torch.nn.Module:
+def stage_parallel(stage: torch.nn.Module, tp_mesh, plan: dict, replicated: list[str]) -> torch.nn.Module:
     """Tensor-parallelize one graph-captured pipeline stage with the parameter entries of ``plan`` it holds.
 
     A captured stage has no submodules to hang forward entries on, so activations enter and leave it replicated and
     DTensor propagates the shardings op by op inside (Megatron's column/row pattern gives the same collectives).
+    Parameters in ``replicated`` (the embeddings: a vocab-parallel lookup needs the module-level output entry that a
+    captured stage cannot have) stay replicated.
     """
+    import re
+
+    from torch.distributed.tensor import Replicate
+
     from vescale.core.fqn import match_plan
     from vescale.parallel import parallelize_module
 
     names = [n for n, _ in stage.named_parameters()]
+    section = {re.escape(f): [Replicate()] for f in replicated if f in names}
     used = {m.pattern for m in match_plan(plan["parameter"], names, allow_unmatched=True).values()}
-    return parallelize_module(stage, tp_mesh, {"parameter": {k: v for k, v in plan["parameter"].items() if k in used}})
+    section.update({k: v for k, v in plan["parameter"].items() if k in used and k not in section})
+    return parallelize_module(stage, tp_mesh, {"parameter": section})
 
 
 def language_model_loss(output, targets: torch.Tensor) -> torch.Tensor:
@@ -205,7 +213,9 @@ class Trainer:
             mb = cfg.batch_size // self.dp // self.microbatches
             stages = split(model, num_stages=self.pp, example_inputs=(torch.zeros(mb, cfg.seq_len, dtype=torch.long),))
             if tp_mesh is not None:
-                stages = [stage_parallel(stage, tp_mesh, plan_for(cfg.model, tp_mesh, False)) for stage in stages]
+                embeddings = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+                plan = plan_for(cfg.model, tp_mesh, False)
+                stages = [stage_parallel(stage, tp_mesh, plan, embeddings) for stage in stages]
             self.engine = PipeEngine(stages, sub_mesh(mesh, "pp"), schedule=cfg.schedule,
                                      num_microbatches=self.microbatches, loss_fn=language_model_loss,
                                      dp_group=sub_mesh(mesh, "dp").get_group() if self.dp > 1 else None)

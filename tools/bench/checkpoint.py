@@ -5,12 +5,12 @@
 4 ranks on a dp x tp = 2 x 2 mesh hold a stack of square linears (TP: colwise/rowwise, replicated over dp) with
 AdamW state; ``--size-mb`` is the unique state (parameters + exp_avg + exp_avg_sq). Measured in one run, as the
 slowest rank between barriers: the first call of each operation (imports, plans, lazily built optimizer state),
-then the median of 5 calls with vescale and DCP alternating (the machine may be shared): save, load into the same
-layout, load resharded onto tp = 4; then the blocking part and the total of async saves (first, then median).
-DCP uses ``dcp.save``/``dcp.async_save``/``dcp.load`` with ``get_state_dict``/``set_state_dict``. Both fsync their
-files. The disk's sequential write and read bandwidth is measured with dd (O_DIRECT) in the same directory. Reads
-after a save are served largely from the page cache on both sides (caches are not dropped on a shared machine).
-Prints one JSON object.
+then the median of 5 calls with vescale and DCP alternating (the machine may be shared): save (each to a new
+directory, as a training run does), load into the same layout, load resharded onto tp = 4; then the blocking part
+and the total of async saves (first, then median). DCP uses ``dcp.save``/``dcp.async_save``/``dcp.load`` with
+``get_state_dict``/``set_state_dict``. Both fsync their files. The disk's sequential write and read bandwidth is
+measured with dd (O_DIRECT) in the same directory. Reads after a save are served largely from the page cache on
+both sides (caches are not dropped on a shared machine). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -93,9 +93,12 @@ def _bench(root: str, d: int, layers: int) -> dict:
         dcp.load(sd, checkpoint_id=path)
         set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
+    fresh = iter(range(10**6))  # saves go to new directories, like a training run's step_N checkpoints
+    checkpoint.save(f"{root}/v1", state)
+    dcp.save(dcp_state(model, opt), checkpoint_id=f"{root}/d1")
     ops = {  # name -> (vescale, DCP); each pair runs alternately so that both see the same machine load
-        "save": (lambda: checkpoint.save(f"{root}/v1", state),
-                 lambda: dcp.save(dcp_state(model, opt), checkpoint_id=f"{root}/d1")),
+        "save": (lambda: checkpoint.save(f"{root}/v-{next(fresh)}", state),
+                 lambda: dcp.save(dcp_state(model, opt), checkpoint_id=f"{root}/d-{next(fresh)}")),
         "load": (lambda: checkpoint.load(f"{root}/v1", state),
                  lambda: dcp_load(model, opt, f"{root}/d1")),
         "load_reshard": (lambda: checkpoint.load(f"{root}/v1", state4),
@@ -112,7 +115,7 @@ def _bench(root: str, d: int, layers: int) -> dict:
         samples.setdefault("vescale_load_read_once_send_s", []).append(
             _timed(lambda: checkpoint.load(f"{root}/v1", state, dedup_reads=True), 1)[0])
     r.update({k: statistics.median(v) for k, v in samples.items()})
-    r.update(_async(lambda i: checkpoint.save(f"{root}/v2", state, async_save=True), "vescale"))
+    r.update(_async(lambda i: checkpoint.save(f"{root}/v2-{i}", state, async_save=True), "vescale"))
     r.update(_async(lambda i: _Waitable(dcp.async_save(dcp_state(model, opt), checkpoint_id=f"{root}/d2-{i}")),
                     "dcp"))
     return r

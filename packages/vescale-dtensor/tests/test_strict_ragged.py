@@ -99,3 +99,26 @@ def test_ragged_ops(world_size):
                 r = redistribute(a, mesh, dst)
                 assert torch.equal(full_tensor(r), full)
                 assert torch.equal(redistribute(r, mesh, [p]).to_local(), a.to_local())
+
+
+@multi_rank(world_sizes=[4])
+def test_ragged_on_2d_mesh_with_replicate():
+    """A ragged dp dim next to a replicated tp dim (ZeRO inside a tp group): gather, RNG and norms still match."""
+    import torch
+
+    from vescale.dtensor import RaggedShard, Replicate, distribute_tensor, full_tensor, init_device_mesh, redistribute
+    from vescale.dtensor import random as R
+    from vescale.dtensor.ragged import ragged_norm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(30.0)
+    for pls in ([RaggedShard((0,), (1, 4)), Replicate()], [Replicate(), RaggedShard((0,), (3, 2))]):
+        d = distribute_tensor(full, mesh, pls)
+        assert torch.equal(full_tensor(d), full)
+        torch.testing.assert_close(ragged_norm(d), torch.linalg.vector_norm(full))
+        assert torch.equal(redistribute(d, mesh, [Replicate(), Replicate()]).to_local(), full)
+        R.manual_seed(8)
+        torch.nn.init.normal_(d)
+        R.manual_seed(8)
+        assert torch.equal(full_tensor(d), R.normal_(torch.empty(30)))
+    R.uninstall()

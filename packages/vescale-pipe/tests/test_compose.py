@@ -1,7 +1,7 @@
 """Composition on 4 ranks: pp x dp (stage replicas average gradients) and pp x tp (stages whose parameters are TP
-DTensors, built by hand: the user-given-stages path). References are the single-device model with the same
-microbatch accumulation; compared with a tolerance (fp32, rtol 1e-5) because DP averaging and TP partial sums add in
-another order than one device does.
+DTensors, built by hand: the user-given-stages path; the last stage's head returns a replicated DTensor).
+References are the single-device model with the same microbatch accumulation; compared with a tolerance (fp32,
+rtol 1e-5) because DP averaging and TP partial sums add in another order than one device does.
 """
 
 from __future__ import annotations
@@ -101,6 +101,10 @@ def test_pp_x_tp_with_hand_built_stages():
     plan = {f"layers.*.attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
     plan |= {"layers.*.attn.wo": RowwiseParallel(), "layers.*.mlp.w_gate": ColwiseParallel(),
              "layers.*.mlp.w_up": ColwiseParallel(), "layers.*.mlp.w_down": RowwiseParallel()}
+    if pp == 1:  # the head returns a replicated DTensor: the engine turns the logits' loss into a plain tensor
+        from torch.distributed.tensor import Replicate
+
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate(), use_local_output=False)
     parallelize_module(stage, mesh["tp"], plan)
     assert isinstance(stage.get_parameter(f"layers.{pp}.attn.wq.weight"), DTensor)
     M = 2

@@ -4,9 +4,11 @@ Every rank describes the boxes it needs (from its DTensors' placements on any me
 everyone's needs and the metadata, all ranks derive the same plan: every stored shard that anyone needs is read by
 exactly one of the ranks needing it (fewest bytes read so far, largest shards first), checked against its crc32,
 and the overlapping sub-boxes are sent point to point to the other ranks needing them. (On one host with a local
-file system each needing rank reads the shard itself instead: the page cache serves the repeats.) A needing rank
-whose target is exactly the shard reads straight into the target's memory. Reading proceeds in rounds of bounded
-size.
+file system each needing rank reads the shard itself instead, the page cache serving the repeats: one of them reads
+it whole and checks its crc32, the others read only the contiguous byte range they need when there is one.) A
+needing rank whose target is exactly what it reads reads straight into the target's memory. Reading proceeds in
+rounds of bounded size; a damaged shard found by any rank fails the load on every rank before the targets of its
+round are filled.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from vescale.checkpoint._state import flatten
 from vescale.checkpoint._storage import Storage
 from vescale.checkpoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from vescale.checkpoint.format import dtype_name
-from vescale.core.errors import VescaleError
 
 __all__ = ["load", "LoadResult"]
 
@@ -116,11 +117,14 @@ class _Read:
     shard: dict[str, Any]
     reader: int
     needs: list[tuple[int, int, tuple]]  # (rank, request index, intersection box)
+    verify: bool = True  # this reader checks the shard's crc32 (one reader per shard does)
+    part: tuple | None = None  # read only this contiguous sub-box of the shard (unverified; another rank verifies)
 
 
 def _plan(requests: list[dict], meta: dict, skip: set[str], dedup: bool) -> list[_Read]:
     """Who reads which stored shard. ``dedup``: one reader per shard, which sends; else each needing rank reads."""
     reads: list[_Read] = []
+    groups: list[list[_Read]] = []
     for key in sorted({k for req in requests for k in req["tensors"]} - skip):
         for shard in meta["tensors"][key]["shards"]:
             box = (tuple(shard["offsets"]), tuple(shard["lengths"]))
@@ -133,16 +137,34 @@ def _plan(requests: list[dict], meta: dict, skip: set[str], dedup: bool) -> list
             if needs and dedup:
                 reads.append(_Read(key, shard, -1, needs))
             elif needs:
+                group = []
                 for r in sorted({r for r, _, _ in needs}):
-                    reads.append(_Read(key, shard, r, [n for n in needs if n[0] == r]))
-    if not dedup:
-        return reads
+                    mine = [n for n in needs if n[0] == r]
+                    part = mine[0][2] if len(mine) == 1 and shard["codec"] == "raw" and _contiguous(
+                        mine[0][2], box) else None
+                    group.append(_Read(key, shard, r, mine, verify=False, part=part))
+                groups.append(group)
     load = [0] * len(requests)
+    if not dedup:  # each needing rank reads; one of them (balanced by bytes) reads it all and checks the crc32
+        for group in sorted(groups, key=lambda g: -shard_nbytes(g[0].shard)):
+            primary = min(group, key=lambda rd: (load[rd.reader], rd.reader))
+            primary.verify, primary.part = True, None
+            for rd in group:
+                load[rd.reader] += shard_nbytes(rd.shard) if rd.part is None else 0
+        return [rd for group in groups for rd in group]
     for read in sorted(reads, key=lambda rd: -shard_nbytes(rd.shard)):
         candidates = {r for r, _, _ in read.needs}
         read.reader = min(candidates, key=lambda r: (load[r], r))
         load[read.reader] += shard_nbytes(read.shard)
     return reads
+
+
+def _contiguous(inter: tuple, box: tuple) -> bool:
+    """Whether sub-box ``inter`` of ``box`` is one contiguous byte range of the row-major shard, and not all of it."""
+    lens, full = inter[1], box[1]
+    k = next((j for j in range(len(full)) if lens[j] != full[j]), None)
+    return k is not None and all(full[j] == 1 for j in range(k)) and all(
+        lens[j] == full[j] for j in range(k + 1, len(full)))
 
 
 def _rounds(reads: list[_Read]) -> list[list[_Read]]:
@@ -192,7 +214,7 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
         flat.tensors.update(replaced)
         desc, pieces, _ = describe(flat, flat.tensors)
         request = {"tensors": desc, "values": sorted(flat.values), "host": socket.gethostname()}
-    except (TypeError, ValueError, VescaleError) as exc:  # bad input: every rank must learn of it, none may hang
+    except Exception as exc:  # noqa: BLE001 - bad input: every rank must learn of it, none may hang
         error, request = exc, {"error": f"{type(exc).__name__}: {exc}"}
     requests = comm.all_gather_json(request)
     if error is not None:
@@ -221,9 +243,10 @@ def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, s
                pool: ThreadPoolExecutor) -> None:
     me = comm.rank
 
-    def read(rd: _Read) -> tuple[torch.Tensor | None, bool]:
+    def read(rd: _Read) -> tuple[torch.Tensor, bool, tuple[int, ...]]:
+        """(data, whether read straight into the target, global offsets of the data's first element)."""
         dtype = tensor_dtype(saved[rd.key])
-        box = (tuple(rd.shard["offsets"]), tuple(rd.shard["lengths"]))
+        box = rd.part or (tuple(rd.shard["offsets"]), tuple(rd.shard["lengths"]))
         direct = None
         for r, j, inter in rd.needs:
             if r != me or inter != box or rd.shard["codec"] != "raw":
@@ -232,10 +255,18 @@ def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, s
             view = piece.view[relative(inter, piece.offsets)]
             if view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous():
                 direct = view
-        return read_shard(storage, rd.shard, dtype, verify=verify, out=direct), direct is not None
+        if rd.part is None:
+            return read_shard(storage, rd.shard, dtype, verify=verify and rd.verify, out=direct), \
+                direct is not None, box[0]
+        out = direct if direct is not None else torch.empty(box[1], dtype=dtype)
+        strides = [_numel(rd.shard["lengths"][j + 1:]) for j in range(len(box[1]))]
+        skip = sum((o - so) * st for o, so, st in zip(box[0], rd.shard["offsets"], strides)) * dtype.itemsize
+        storage.read_into(rd.shard["file"], rd.shard["start"] + skip, memoryview(out.reshape(-1).view(
+            torch.uint8).numpy()))
+        return out, direct is not None, box[0]
 
     mine = [rd for rd in batch if rd.reader == me]
-    data: dict[int, tuple[torch.Tensor, bool]] = {}
+    data: dict[int, tuple[torch.Tensor, bool, tuple[int, ...]]] = {}
     error = None
     try:
         for rd, got in zip(mine, pool.map(read, mine)):
@@ -253,8 +284,8 @@ def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, s
         itemsize = tensor_dtype(saved[rd.key]).itemsize
         for r, _, inter in rd.needs:
             if rd.reader == me and r != me:
-                shard, _ = data[id(rd)]
-                sends.setdefault(r, []).append(shard[relative(inter, tuple(rd.shard["offsets"]))])
+                shard, _, origin = data[id(rd)]
+                sends.setdefault(r, []).append(shard[relative(inter, origin)])
             elif r == me and rd.reader != me:
                 recv_sizes[rd.reader] = recv_sizes.get(rd.reader, 0) + _aligned(_numel(inter[1]) * itemsize)
     packed = {peer: _pack(parts) for peer, parts in sends.items()}
@@ -268,9 +299,9 @@ def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, s
             piece = pieces[rd.key][j]
             target = piece.view[relative(inter, piece.offsets)]
             if rd.reader == me:
-                shard, direct = data[id(rd)]
+                shard, direct, origin = data[id(rd)]
                 if not direct:
-                    target.copy_(shard[relative(inter, tuple(rd.shard["offsets"]))])
+                    target.copy_(shard[relative(inter, origin)])
             else:
                 n = _numel(inter[1]) * dtype.itemsize
                 start = cursor[rd.reader]

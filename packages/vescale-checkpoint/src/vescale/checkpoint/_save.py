@@ -5,7 +5,7 @@ holder with the fewest bytes assigned so far, largest boxes first, so writing is
 and reused while the state keeps the same structure (a one-integer all-reduce confirms it on every rank). An async
 save snapshots the boxes this rank writes into a reused host buffer (pinned when on GPU) and returns; a background
 thread writes, gathers the shard records and lets rank 0 commit ``metadata.json`` last, which makes the checkpoint
-visible atomically.
+visible atomically; the replaced save's files are then deleted in the background.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from vescale.checkpoint.format import (
     dtype_name,
     safetensors_header,
 )
-from vescale.core.errors import VescaleError
 
 __all__ = ["save", "SaveHandle"]
 
@@ -85,6 +84,7 @@ class _Plan:
 
 
 _pending: SaveHandle | None = None
+_cleanup: threading.Thread | None = None
 _cached: _Plan | None = None
 
 
@@ -176,7 +176,7 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
         values = {k: _values.encode(v, k) for k, v in flat.values.items()}
         desc, pieces, dtypes = describe(flat, tensors)
         signature = json.dumps([comm.world, desc], separators=(",", ":"))
-    except (TypeError, ValueError, VescaleError) as exc:  # bad input: every rank must learn of it, none may hang
+    except Exception as exc:  # noqa: BLE001 - bad input: every rank must learn of it, none may hang
         error = exc
     miss, nonce, failed = comm.all_reduce_max([int(_cached is None or _cached.signature != signature),
                                                random.getrandbits(62), int(error is not None)])
@@ -216,11 +216,15 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
 
 
 def wait_pending() -> None:
-    """Wait for this process's async save in flight, if any (``save`` and ``load`` call it first)."""
-    global _pending
+    """Wait for this process's async save in flight and for the removal of replaced data files, if any
+    (``save`` and ``load`` call it first)."""
+    global _pending, _cleanup
     if _pending is not None:
         handle, _pending = _pending, None
         handle.wait()
+    if _cleanup is not None:
+        thread, _cleanup = _cleanup, None
+        thread.join()
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
@@ -309,8 +313,8 @@ def _finish(handle: SaveHandle, comm: Comm, storage: Storage, save_id: str, jobs
         status = comm.broadcast_bytes(status, 0)
         if status:
             raise CheckpointError(f"saving {storage.url} failed: {status.decode()}")
-        if comm.rank == 0:  # the new checkpoint is committed: the previous save's files can go (others go on)
-            _remove_stale(storage, save_id)
+        if comm.rank == 0:  # the new checkpoint is committed: the previous save's files go, in the background
+            _start_cleanup(storage, _stale(storage, save_id))
     except BaseException as exc:  # noqa: BLE001 - kept for wait()
         handle.error = exc
 
@@ -335,9 +339,21 @@ def _commit(storage: Storage, save_id: str, world: int, gathered: list[dict], te
     storage.write_atomic(METADATA_FILE, json.dumps(meta, separators=(",", ":")).encode())
 
 
-def _remove_stale(storage: Storage, save_id: str) -> None:
-    """Delete data files of other saves and leftover temporary metadata in the checkpoint directory."""
+def _stale(storage: Storage, save_id: str) -> list[str]:
+    """Data files of other saves and leftover temporary metadata in the checkpoint directory."""
+    stale = []
     for name in storage.names():
         m = _DATA_FILE.fullmatch(name)
         if (m and m.group(1) != save_id) or (name.startswith(f".{METADATA_FILE}.") and name.endswith(".tmp")):
-            storage.remove(name)
+            stale.append(name)
+    return stale
+
+
+def _start_cleanup(storage: Storage, names: list[str]) -> None:
+    """Delete ``names`` on a background thread (unlinking large files is slow); the list is fixed at commit time,
+    so files of a later save are never touched, and ``wait_pending`` joins the thread."""
+    global _cleanup
+    if names:
+        _cleanup = threading.Thread(target=lambda: [storage.remove(n) for n in names], daemon=True,
+                                    name="vescale-checkpoint-cleanup")
+        _cleanup.start()

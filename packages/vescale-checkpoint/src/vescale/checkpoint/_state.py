@@ -13,7 +13,8 @@ object with ``state_dict()``/``load_state_dict()``. Keys:
   plain optimizer checkpoints load into each other at any dp size
 - other objects: their ``state_dict()`` flattened under their key; nested dicts join keys with dots.
 
-Loading fills tensors in place; values are assigned back into their containers; stateful objects then get
+Loading fills tensors in place; values are assigned back into their containers (a dict or list value is updated in
+place, so a caller's reference sees the loaded content); stateful objects then get
 ``load_state_dict`` with the filled dict. A plain tensor in such an object's ``state_dict()`` whose shape or dtype
 differs from the checkpoint's is replaced by a new tensor instead (data loader or sampler state that grows).
 """
@@ -172,7 +173,7 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
         elif isinstance(obj, (dict, list, tuple)) and _has_tensors(obj):
             walk_children(key, obj, replaceable)
         else:
-            flat.add_value(key, obj, setter)
+            flat.add_value(key, obj, lambda new, old=obj, setter=setter: _assign(old, new, setter))
 
     def walk_children(key: str, obj: Any, replaceable: bool = False) -> None:
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
@@ -250,6 +251,17 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
     for k, v in state.items():
         walk(str(k), v, lambda new, k=k: state.__setitem__(k, new))
     return flat
+
+
+def _assign(old: Any, new: Any, setter: Callable[[Any], None]) -> None:
+    """Load a value in place: a dict or list the caller holds is updated, not replaced; others are set."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        old.clear()
+        old.update(new)
+    elif isinstance(old, list) and isinstance(new, list):
+        old[:] = new
+    else:
+        setter(new)
 
 
 def _is_module_list(obj: Any) -> bool:

@@ -80,6 +80,7 @@ def _next_seq() -> int:
 # ---------------------------------------------------------------------------------------------------- value kernels
 
 _MANTISSA = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+_BLOCK = 1 << 20  # elements generated per block
 
 
 def _words(index: torch.Tensor, seq: int, seed: int):
@@ -170,22 +171,35 @@ def fill_random(target: torch.Tensor, kind: str, *params, seq: int | None = None
         return target
     idx = _index_of(target, kind) if index is None else index.view(local.shape)
     idx = idx.to(local.device)  # generate where the tensor lives (GPU ranks compute their shard on the GPU)
-    dtype = local.dtype
-    if kind == "uniform":
-        vals = uniform_values(idx, seq, seed, float(params[0]), float(params[1]), dtype)
-    elif kind == "normal":
-        vals = normal_values(idx, seq, seed, float(params[0]), float(params[1]), dtype)
-    elif kind == "randint":
-        vals = randint_values(idx, seq, seed, int(params[0]), int(params[1]), dtype)
-    elif kind == "bernoulli":
-        p = params[0]
-        p = _local(p) if isinstance(p, torch.Tensor) else float(p)
-        vals = (_uniform01(idx, seq, seed) < p).to(dtype)
-    else:
-        raise ValueError(f"fill_random: unknown kind {kind!r}")
+    if kind == "bernoulli" and isinstance(params[0], torch.Tensor):
+        p_local = _local(params[0]).to(local.device)
+        params = (p_local.expand(local.shape).reshape(-1),)
+    flat_idx = idx.reshape(-1)
+    out = local.view(-1) if local.is_contiguous() else torch.empty(local.numel(), dtype=local.dtype,
+                                                                     device=local.device)
+    # Blocks bound the Philox temporaries (several int64 arrays per element) to a constant, not the shard size.
     with torch.no_grad():
-        local.copy_(vals.view(local.shape))
+        for start in range(0, flat_idx.numel(), _BLOCK):
+            block = flat_idx[start:start + _BLOCK]
+            out[start:start + block.numel()] = _values(kind, block, seq, seed, params, local.dtype, start)
+        if not local.is_contiguous():
+            local.copy_(out.view(local.shape))
     return target
+
+
+def _values(kind: str, idx: torch.Tensor, seq: int, seed: int, params, dtype: torch.dtype,
+            start: int) -> torch.Tensor:
+    if kind == "uniform":
+        return uniform_values(idx, seq, seed, float(params[0]), float(params[1]), dtype)
+    if kind == "normal":
+        return normal_values(idx, seq, seed, float(params[0]), float(params[1]), dtype)
+    if kind == "randint":
+        return randint_values(idx, seq, seed, int(params[0]), int(params[1]), dtype)
+    if kind == "bernoulli":
+        p = params[0]
+        p = p[start:start + idx.numel()] if isinstance(p, torch.Tensor) else float(p)
+        return (_uniform01(idx, seq, seed) < p).to(dtype)
+    raise ValueError(f"fill_random: unknown kind {kind!r}")
 
 
 def _random_bounds(t: torch.Tensor, frm, to) -> tuple[int, int]:

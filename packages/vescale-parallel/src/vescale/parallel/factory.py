@@ -33,12 +33,27 @@ __all__ = ["FactoryCapture", "FACTORY_FUNCTIONS", "capture_suspended"]
 
 _suspended = 0
 
-#: Deterministic creation functions whose plain-tensor results are captured as replicated DTensors.
+_FACTORY_NAMES = ("arange", "ones", "zeros", "full", "empty", "eye", "linspace", "logspace", "scalar_tensor",
+                  "ones_like", "zeros_like", "full_like", "empty_like", "tril_indices", "triu_indices")
+
+
+def _aten_overloads(names: tuple[str, ...]) -> set:
+    """The ``torch.ops.aten`` overloads of ``names`` (not the ``out=`` ones): what graphs captured by
+    ``torch.export`` (pipeline stages) call instead of the ``torch.*`` functions."""
+    found = set()
+    for name in names:
+        packet = getattr(torch.ops.aten, name)
+        found.update(getattr(packet, o) for o in packet.overloads() if not o.startswith("out") and "_out" not in o)
+    return found
+
+
+#: Deterministic creation functions whose plain-tensor results are captured as replicated DTensors: the ``torch.*``
+#: functions eager code calls and their aten overloads, which captured graphs call.
 FACTORY_FUNCTIONS: frozenset = frozenset({
     torch.arange, torch.range, torch.ones, torch.zeros, torch.full, torch.empty, torch.eye, torch.linspace,
     torch.logspace, torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.ones_like, torch.zeros_like,
     torch.full_like, torch.empty_like, torch.tril_indices, torch.triu_indices,
-})
+} | _aten_overloads(_FACTORY_NAMES))
 
 
 class FactoryCapture(TorchFunctionMode):

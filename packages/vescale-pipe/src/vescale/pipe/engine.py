@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vescale.pipe import _p2p
-from vescale.pipe._backward import backward_full, backward_input, backward_weight
+from vescale.pipe._backward import PendingWeightGrad, backward_full, backward_input, backward_weight
 from vescale.pipe.errors import PipeError, ScheduleError
 from vescale.pipe.schedule import COMM_OPS, PipeSchedule, build_schedule
 from vescale.pipe.timeline import span
@@ -59,6 +59,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _plain(t: Any) -> Any:
+    """A DTensor activation or loss as a plain full tensor (differentiable; a collective only if it is sharded)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 class PipeEngine:
     """Pipeline runtime for the stages of this rank.
 
@@ -66,11 +71,12 @@ class PipeEngine:
     ``{stage index: module}`` of this rank's stages together with ``num_stages``. A stage is any ``nn.Module``: stage
     0 is called with the microbatch (``stage(*mb)`` for a tuple, ``stage(**mb)`` for a dict, ``stage(mb)`` for a
     tensor), later stages with the previous stage's outputs (a tensor or a tuple of tensors), and ``loss_fn(output,
-    target_mb)`` is applied to the last stage's output. Parameters of different stages are the same (tied) parameter
-    when their FQNs match, or map to the same name in the stage's ``canonical_names`` dict (as :func:`split` sets);
-    their gradients are summed over the pp group. ``pp`` is a process group, a 1-D DeviceMesh, or a named
-    nD DeviceMesh with a ``pp`` dimension (then ``dp``, when present and ``dp_group`` is not given, averages
-    gradients over stage replicas). ``schedule`` is a registered name or a :class:`PipeSchedule`.
+    target_mb)`` is applied to the last stage's output. DTensor outputs (stages with TP parameters) become plain
+    full tensors: later stages and ``loss_fn`` receive plain tensors. Parameters of different stages are the same
+    (tied) parameter when their FQNs match, or map to the same name in the stage's ``canonical_names`` dict (as
+    :func:`split` sets); their gradients are summed over the pp group. ``pp`` is a process group, a 1-D DeviceMesh,
+    or a named nD DeviceMesh with a ``pp`` dimension (then ``dp``, when present and ``dp_group`` is not given,
+    averages gradients over stage replicas). ``schedule`` is a registered name or a :class:`PipeSchedule`.
 
     Raises :class:`ScheduleError` (too few microbatches, wrong stage count for the schedule) or
     :class:`PipeError` (a stage missing for this rank) on every rank before any p2p traffic.
@@ -176,7 +182,7 @@ class PipeEngine:
                 raise PipeError(f"pp rank {self.pp_rank} holds the last stage and needs the target")
             self._tgts = split_microbatches(target, M, "target")
         self._inputs: dict = {}      # (stage, mb) -> input tensors (received or handed over locally)
-        self._saved: dict = {}       # (stage, mb) -> (input leaves needing grad, roots, root metas)
+        self._saved: dict = {}       # (stage, mb) -> (input leaves needing grad, backward roots)
         self._out_grads: dict = {}   # (stage, mb) -> gradients of the stage's outputs
         self._to_send: dict = {}     # (op, stage, mb) -> tensors
         self._pending: dict = {}     # (stage, mb) -> PendingWeightGrad
@@ -227,12 +233,12 @@ class PipeEngine:
             if a.op == "BW":
                 backward_weight(self._pending.pop((s, m)))
                 return
-            leaves, roots, _ = self._saved.pop((s, m))
+            leaves, roots = self._saved.pop((s, m))
             grads = None if s == S - 1 else self._out_grads.pop((s, m))
             if not roots:
                 in_grads = [None] * len(leaves)
                 if a.op == "BI":
-                    self._pending[(s, m)] = _nothing()
+                    self._pending[(s, m)] = PendingWeightGrad()
             elif a.op == "B":
                 in_grads = backward_full(roots, grads, leaves)
             else:
@@ -262,14 +268,14 @@ class PipeEngine:
             leaves = [t for t in inputs if t.requires_grad]
             out = stage(*inputs)
         if s == S - 1:
-            loss = self.loss_fn(out, self._tgts[m])
+            loss = _plain(self.loss_fn(_plain(out), self._tgts[m]))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise PipeError(f"loss_fn must return a one-element tensor, got {type(loss).__name__}")
             self._losses[m] = loss.detach()
             roots = [loss / M] if loss.requires_grad else []
-            self._saved[(s, m)] = (leaves, roots, None)
+            self._saved[(s, m)] = (leaves, roots)
             return
-        outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        outs = tuple(_plain(o) for o in ((out,) if isinstance(out, torch.Tensor) else out))
         bad = [i for i, o in enumerate(outs) if not isinstance(o, torch.Tensor)]
         if bad:
             raise PipeError(f"stage {s} output(s) {bad} are not tensors ({[type(outs[i]).__name__ for i in bad]}); "
@@ -277,7 +283,7 @@ class PipeEngine:
         # An input passed straight through must stay connected to its leaf for the backward.
         outs = tuple(o.view_as(o) if o.requires_grad and o.grad_fn is None else o for o in outs)
         roots = [o for o in outs if o.requires_grad]
-        self._saved[(s, m)] = (leaves, roots, None)
+        self._saved[(s, m)] = (leaves, roots)
         if self.owner[s + 1] == self.pp_rank:
             self._inputs[(s + 1, m)] = outs
         else:
@@ -331,7 +337,7 @@ class PipeEngine:
                     peer, sender, kind = self.peers[self.owner[s - 1]], s - 1, _FWD
                     targets.append((a, bufs))
                 else:
-                    leaves, roots, _ = self._saved[(s, m)]
+                    _, roots = self._saved[(s, m)]
                     bufs = [torch.empty(_local(r).shape, dtype=r.dtype, device=self.device) for r in roots]
                     peer, sender, kind = self.peers[self.owner[s + 1]], s + 1, _BWD
                     targets.append((a, bufs))
@@ -400,8 +406,3 @@ class PipeEngine:
                     g.copy_(buf[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
 
-
-def _nothing():
-    from vescale.pipe._backward import PendingWeightGrad
-
-    return PendingWeightGrad()

@@ -122,11 +122,25 @@ class GraphStage(nn.Module):
 
 def _export(model: nn.Module, args: tuple, kwargs: dict):
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - any capture failure gets the same advice
         raise SplitError(f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}. Fallback: build the stage modules by hand "
                          "and pass them to PipeEngine") from exc
+    _drop_metadata_asserts(ep.graph)
+    return ep
+
+
+def _drop_metadata_asserts(graph: torch.fx.Graph) -> None:
+    """Remove export's dtype/device asserts on tensors (``aten._assert_tensor_metadata``).
+
+    They check nothing :class:`GraphStage` does not check itself on its inputs, and DTensor has no sharding rule for
+    them, so a stage whose parameters or buffers were made tensor-parallel DTensors could not run them.
+    """
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
+                and not node.users):
+            graph.erase_node(node)
 
 
 def capture(model: nn.Module, example_inputs: Any = ()) -> Any:

@@ -228,7 +228,7 @@ def _gantt_png(trace: dict, path: str) -> None:
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     ranks = sorted(names)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.5))
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.8))
     for e in spans:
         y = ranks.index(e["pid"]) + 0.25 * _LANES.get(e["cat"], 4) / 4
         ax.barh(y, e["dur"] / 1e3, left=e["ts"] / 1e3, height=0.2 if e["cat"] in COMPUTE_CATEGORIES else 0.1,
@@ -237,7 +237,8 @@ def _gantt_png(trace: dict, path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    ax.legend(handles, list(_COLORS), loc="upper right", fontsize=7, ncol=4)
+    ax.legend(handles, list(_COLORS), loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=7, ncol=len(_COLORS),
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
