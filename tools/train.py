@@ -96,28 +96,6 @@ def plan_for(name: str, tp_mesh, sequence_parallel: bool) -> dict:
     return getattr(plans, f"{family}_plan")(tp_mesh, dp=None, sequence_parallel=sequence_parallel)
 
 
-def stage_parallel(stage: torch.nn.Module, tp_mesh, plan: dict, replicated: list[str]) -> torch.nn.Module:
-    """Tensor-parallelize one graph-captured pipeline stage with the parameter entries of ``plan`` it holds.
-
-    A captured stage has no submodules to hang forward entries on, so activations enter and leave it replicated and
-    DTensor propagates the shardings op by op inside (Megatron's column/row pattern gives the same collectives).
-    Parameters in ``replicated`` (the embeddings: a vocab-parallel lookup needs the module-level output entry that a
-    captured stage cannot have) stay replicated.
-    """
-    import re
-
-    from torch.distributed.tensor import Replicate
-
-    from vescale.core.fqn import match_plan
-    from vescale.parallel import parallelize_module
-
-    names = [n for n, _ in stage.named_parameters()]
-    section = {re.escape(f): [Replicate()] for f in replicated if f in names}
-    used = {m.pattern for m in match_plan(plan["parameter"], names, allow_unmatched=True).values()}
-    section.update({k: v for k, v in plan["parameter"].items() if k in used and k not in section})
-    return parallelize_module(stage, tp_mesh, {"parameter": section})
-
-
 def language_model_loss(output, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a model output: logits, or a Hugging Face output with ``.logits``."""
     logits = output.logits if hasattr(output, "logits") else output["logits"] if isinstance(output, dict) else output
@@ -138,6 +116,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     microbatches: int = 0  # 0: 2 x pp
     sequence_parallel: bool = False
+    compile: bool = False  # torch.compile the blocks (vescale.parallel.compile_parallel) after parallelization
     seed: int = 1234
     out: str = "runs/latest"
     ckpt_every: int = 0
@@ -192,7 +171,12 @@ class Trainer:
     """The model as this rank holds it, and one training step over a global batch."""
 
     def __init__(self, cfg: TrainConfig, mesh) -> None:
-        from vescale.parallel import DistributedDataParallel, DistributedOptimizer, parallelize_module
+        from vescale.parallel import (
+            DistributedDataParallel,
+            DistributedOptimizer,
+            parallelize_module,
+            parallelize_stage,
+        )
 
         self.cfg, self.mesh = cfg, mesh
         self.pp, self.dp, self.tp = (dim_size(mesh, n) for n in ("pp", "dp", "tp"))
@@ -200,22 +184,34 @@ class Trainer:
         self.spec = model_spec(cfg.model)
         check_fits(cfg, self.spec, self.pp, self.dp, self.tp)
         torch.manual_seed(cfg.seed)  # every rank builds the same full model, the single-device reference init
-        model = build_model(cfg.model)
+        # NCCL ranks compute on their GPU (init_distributed set the current device); gloo ranks on the CPU.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else \
+            torch.device("cpu")
+        model = build_model(cfg.model).to(self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
         tp_mesh = sub_mesh(mesh, "tp") if self.tp > 1 else None
         if tp_mesh is not None and self.pp == 1:
             model = parallelize_module(model, tp_mesh, plan_for(cfg.model, tp_mesh, cfg.sequence_parallel))
+        if cfg.compile and self.pp == 1:
+            from vescale.parallel import compile_parallel
+
+            compile_parallel(model)
         self.model = model
         self.engine = None
         if self.pp > 1:
             from vescale.pipe import PipeEngine, split
 
             mb = cfg.batch_size // self.dp // self.microbatches
-            stages = split(model, num_stages=self.pp, example_inputs=(torch.zeros(mb, cfg.seq_len, dtype=torch.long),))
+            stages = split(model, num_stages=self.pp, example_inputs=(torch.zeros(mb, cfg.seq_len, dtype=torch.long,
+                                                                              device=self.device),))
             if tp_mesh is not None:
                 embeddings = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
                 plan = plan_for(cfg.model, tp_mesh, False)
-                stages = [stage_parallel(stage, tp_mesh, plan, embeddings) for stage in stages]
+                stages = [parallelize_stage(stage, tp_mesh, plan, embeddings) for stage in stages]
+            if cfg.compile:
+                from vescale.parallel import compile_forward
+
+                stages = [compile_forward(stage) for stage in stages]
             self.engine = PipeEngine(stages, sub_mesh(mesh, "pp"), schedule=cfg.schedule,
                                      num_microbatches=self.microbatches, loss_fn=language_model_loss,
                                      dp_group=sub_mesh(mesh, "dp").get_group() if self.dp > 1 else None)
@@ -246,7 +242,7 @@ class Trainer:
         from vescale.parallel import clip_grad_norm_
         from vescale.pipe.timeline import span
 
-        local = tokens.chunk(self.dp)[self.dp_rank]
+        local = tokens.chunk(self.dp)[self.dp_rank].to(self.device)
         inputs, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
         for group in self.torch_optimizer().param_groups:
             group["lr"] = lr_at(step, self.cfg)
@@ -464,6 +460,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--schedule", default=d.schedule, help="pipeline schedule (pp > 1)")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="per step (pp > 1); 0: 2 x pp")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=d.out)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="async checkpoint every N steps (0: off)")

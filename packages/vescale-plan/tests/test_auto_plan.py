@@ -146,37 +146,132 @@ def test_indivisible_heads_and_vocab_replicate_and_still_match(world_size):
     torch.testing.assert_close(model(ids), _gpt()(ids), rtol=1e-5, atol=1e-6)
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _reference_step(ids: torch.Tensor, targets: torch.Tensor, lr: float):
+    """Single-device loss, gradients and AdamW-updated weights of ``_gpt()`` on the global batch."""
+    from vescale.plan import language_model_loss
+
+    ref = _gpt()
+    loss = language_model_loss(ref(ids), targets)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt.step()
+    return loss.detach(), grads, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
 @multi_rank(world_sizes=[4])
-def test_auto_parallelize_applies_a_plan_that_matches_single_device(world_size):
-    """auto_parallelize on a pinned dp x tp = 2 x 2 mesh: estimates ZeRO 0-2, applies the auto plan; each dp rank's
-    logits equal the single-device logits of its half of the batch (rtol 1e-5)."""
-    from vescale.core.mesh import init_mesh
+def test_auto_parallelize_dp_zero1_tp_matches_single_device(world_size):
+    """auto_parallelize restricted to dp=2 x tp=2 with ZeRO 1: it applies the auto plan on tp, wraps the model in
+    DistributedDataParallel(zero_stage=1) and its optimizer factory gives a DistributedOptimizer; each rank's loss on
+    its dp slice, the gradients (dp average) and the AdamW-updated weights equal the single-device run on the global
+    batch (fp32, rtol 1e-5)."""
+    import torch.distributed as dist
+
+    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.plan import auto_parallelize, language_model_loss
+
+    g = torch.Generator().manual_seed(2)
+    ids, targets = torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+    ref_loss, ref_grads, ref_weights = _reference_step(ids, targets, lr=1e-2)
+    result = auto_parallelize(_gpt(), world_size=world_size, batch_size=4, seq_len=8, fixed={"dp": 2, "tp": 2},
+                              zero_stages=(1,))
+    report = result.report
+    assert report.applied and (report.chosen.pp, report.chosen.dp, report.chosen.tp) == (1, 2, 2)
+    assert report.chosen.zero_stage == 1 and {c.zero_stage for c in report.candidates} == {1}
+    assert isinstance(result.ddp, DistributedDataParallel) and result.ddp.zero_stage == 1
+    assert result.engine is None and "candidates" in str(report)
+    opt = result.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    assert isinstance(opt, DistributedOptimizer)
+    loss = language_model_loss(result.module(result.shard_batch(ids)), result.shard_batch(targets))
+    loss.backward()
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss)
+    torch.testing.assert_close(global_loss / 4, ref_loss, rtol=1e-5, atol=1e-6)  # dp average (each tp rank: same)
+    for name, p in result.model.named_parameters():
+        torch.testing.assert_close(_full(p.main_grad if p.grad is None else p.grad), ref_grads[name], rtol=1e-5,
+                                   atol=1e-6, msg=name)
+    opt.step()
+    for name, p in result.model.named_parameters():
+        torch.testing.assert_close(_full(p.detach()), ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 2), (2, 2, 1)])
+@multi_rank(world_sizes=[4])
+def test_auto_parallelize_pipeline_matches_single_device(world_size, shape):
+    """auto_parallelize restricted to pp=2 x tp=2 (and pp=2 x dp=2): it splits the GPT at the report's split point
+    with vescale.pipe, shards each stage with the plan's parameter entries (embedding replicated) and runs a 1F1B
+    PipeEngine over 4 microbatches (2 per dp rank with dp); the (dp-averaged) loss, every gradient and the
+    AdamW-updated weights equal the single-device run on the global batch (fp32, rtol 1e-5)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
     from vescale.plan import auto_parallelize
 
-    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
-    mesh = init_mesh({"dp": 2, "tp": 2})
-    ref, model = _gpt(), _gpt()
-    model, report = auto_parallelize(model, mesh=mesh, batch_size=4, seq_len=8)
-    assert report.applied and (report.chosen.pp, report.chosen.dp, report.chosen.tp) == (1, 2, 2)
-    assert {c.zero_stage for c in report.candidates} == {0, 1, 2} and "candidates" in str(report)
-    r = mesh.get_coordinate()[0]
-    torch.testing.assert_close(model(ids[2 * r:2 * r + 2]), ref(ids)[2 * r:2 * r + 2], rtol=1e-5, atol=1e-6)
+    pp, dp, tp = shape
+    g = torch.Generator().manual_seed(2)
+    ids, targets = torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+    ref_loss, ref_grads, ref_weights = _reference_step(ids, targets, lr=1e-2)
+    result = auto_parallelize(_gpt(), world_size=world_size, batch_size=4, seq_len=8,
+                              fixed={"pp": pp, "dp": dp, "tp": tp}, num_microbatches=4 // dp)
+    report = result.report
+    assert report.applied and (report.chosen.pp, report.chosen.dp, report.chosen.tp) == shape
+    assert report.split.split_points == ["layers.1"] and result.model is None and result.ddp is None
+    assert result.engine.num_microbatches == 4 // dp
+    opt = result.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    assert isinstance(opt, torch.optim.AdamW)
+    loss = result.engine.step(result.shard_batch(ids), result.shard_batch(targets)).detach().clone()
+    dist.all_reduce(loss)
+    torch.testing.assert_close(loss / 4, ref_loss, rtol=1e-5, atol=1e-6)  # every rank's dp-local mean, averaged
+    seen, sharded = set(), 0
+    for stage in result.engine.stages.values():
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(_full(p.grad), ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+            seen.add(name)
+            sharded += isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+            if name.startswith("embed"):
+                assert not (isinstance(p, DTensor) and p.placements[0].is_shard()), name
+    assert seen and (sharded >= 4 if tp > 1 else sharded == 0), (seen, sharded)  # column/row weights tp-sharded
+    opt.step()
+    for stage in result.engine.stages.values():
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(_full(p.detach()), ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def transformers_tp_plan(model, mesh) -> dict:
     """transformers' own TP plan (the model's ``_tp_plan``: ``config.base_model_tp_plan`` under ``model.`` plus the
     head's; torch-TP styles) written as a vescale plan: ``colwise`` shards the weight (and bias) on dim 0 with a
     replicated input, ``rowwise`` on dim 1 with a replicated (all-reduced) output, ``embedding_rowwise`` the
-    vocabulary with a replicated output, ``colwise_gather_output`` also gathers the output. No sequence parallelism
-    (transformers' plan has none)."""
-    from torch.distributed.tensor import Replicate, Shard
+    vocabulary with a replicated output, ``colwise_gather_output`` also gathers the output. Mixtral's expert styles:
+    ``packed_colwise`` on the packed ``[E, 2I, H]`` gate_up parameter shards gate and up alike (interleaved dim 1),
+    ``rowwise`` on the ``[E, H, I]`` down parameter shards its last dim, and ``moe_tp_experts`` runs the experts
+    module on local shards and all-reduces its partial output (written as the ``.local`` entry with ``Partial``
+    output and a replicated output of the enclosing MoE block: the same single all-reduce, one reshape later).
+    No sequence parallelism (transformers' plan has none)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from vescale.dtensor import InterleavedShard
 
     rep = [Replicate()]
     params, fwd = {}, {"input": {"input_ids": rep}, "output": {"logits": rep}}
+    names = {n for n, _ in model.named_parameters()}
     styles = dict(model._tp_plan)  # the instance's plan: the base model's (prefixed) plus the head's
     for pattern, style in styles.items():
         regex = pattern.replace(".", r"\.").replace("*", r"\d+")
-        if style.startswith("colwise"):
+        is_param = pattern.replace("*", "0") in names  # a style on a parameter (MoE experts), not a module
+        if style == "packed_colwise" and is_param:
+            params[regex] = [InterleavedShard(1, 2)]
+        elif style == "rowwise" and is_param:
+            params[regex] = [Shard(-1 + dict(model.named_parameters())[pattern.replace("*", "0")].dim())]
+        elif style == "moe_tp_experts":
+            fwd[regex + ".input"] = [rep, None, rep]
+            fwd[regex + ".local"] = [[Partial()], None, [Partial()]]
+            fwd[regex + ".output"] = [[Partial()]]
+            fwd[regex.rsplit(r"\.", 1)[0] + ".output"] = [rep]
+        elif style.startswith("colwise"):
             params[regex + r"\.(weight|bias)"] = [Shard(0)]
             fwd[regex + ".input"] = [rep]
             if style == "colwise_gather_output":
@@ -189,7 +284,7 @@ def transformers_tp_plan(model, mesh) -> dict:
     return {"parameter": params, "forward": fwd}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "mixtral"])
 @multi_rank(world_sizes=[2])
 def test_no_more_comm_than_transformers_tp_plan(world_size, name):
     """Without sequence parallelism on tp=2: auto plan logits equal the single-device run (rtol 1e-5), and its

@@ -144,7 +144,12 @@ def test_cost_model_prefers_tp_and_zero_when_memory_is_tight():
     assert tight.chosen.fits and tight.chosen.memory_gb <= 40
     assert loose.chosen.step_s <= tight.chosen.step_s
     shapes = {(c.pp, c.dp, c.tp, c.zero_stage) for c in loose.candidates}
-    assert (1, 8, 1, 0) in shapes and (1, 1, 8, 0) in shapes and (2, 2, 2, 1) in shapes
+    assert (1, 8, 1, 0) in shapes and (1, 1, 8, 0) in shapes and (2, 2, 2, 0) in shapes
+    assert all(z == 0 for pp, dp, _, z in shapes if pp > 1 or dp == 1)  # ZeRO only where it is applied: pp == 1
+    only2 = choose_parallelism(model, 8, batch_size=8, seq_len=2048, trace=trace, zero_stages=(2,), fixed={"pp": 1})
+    assert {(c.dp > 1, c.zero_stage) for c in only2.candidates} == {(True, 2), (False, 0)}
+    with pytest.raises(PlanError, match="zero_stages"):
+        choose_parallelism(model, 8, trace=trace, zero_stages=(3,))
     by = {(c.pp, c.dp, c.tp, c.zero_stage): c for c in loose.candidates}
     assert by[(1, 8, 1, 1)].memory_gb < by[(1, 8, 1, 0)].memory_gb  # ZeRO-1 shards optimizer states
     assert by[(1, 1, 8, 0)].tp_bytes > 0 and by[(1, 8, 1, 0)].tp_bytes == 0
@@ -169,3 +174,15 @@ def test_pipeline_split_points_drive_vescale_pipe_split():
     for stage in stages[1:]:
         out = stage(*out)
     torch.testing.assert_close(out, model(ids), rtol=1e-6, atol=1e-7)
+
+
+def test_auto_parallelize_refuses_a_batch_that_does_not_fill_the_microbatches():
+    """Checked before any mesh or collective: batch 2 cannot feed pp=2's default 4 microbatches."""
+    from vescale.plan import auto_parallelize
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, ffn_hidden=64))
+    with pytest.raises(PlanError, match="batch_size 2 does not divide into dp=1 x 4 microbatches for pp=2"):
+        auto_parallelize(model, world_size=4, batch_size=2, seq_len=8, fixed={"pp": 2, "tp": 2})
+    result = auto_parallelize(model, world_size=4, batch_size=4, seq_len=8, fixed={"pp": 2, "tp": 2}, apply=False)
+    assert not result.report.applied and result.engine is None and result.report.split.split_points == ["layers.1"]

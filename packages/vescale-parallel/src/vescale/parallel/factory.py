@@ -29,9 +29,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FactoryCapture", "FACTORY_FUNCTIONS", "capture_suspended"]
+__all__ = ["FactoryCapture", "FACTORY_FUNCTIONS", "capture_suspended", "compiled_region"]
 
 _suspended = 0
+_compiled = 0  # > 0 while a graph compiled by vescale.parallel.compile_parallel runs (see compiled_region)
 
 _FACTORY_NAMES = ("arange", "ones", "zeros", "full", "empty", "eye", "linspace", "logspace", "scalar_tensor",
                   "ones_like", "zeros_like", "full_like", "empty_like", "tril_indices", "triu_indices")
@@ -71,6 +72,8 @@ class FactoryCapture(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if _suspended or func not in FACTORY_FUNCTIONS:
             return out
+        if _compiled and not torch.compiler.is_compiling():
+            return out  # a compiled graph's own ops: its factories were captured (and wrapped) when it was traced
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
             out = DTensor.from_local(out, self.device_mesh, self._replicate, run_check=False)
         return out
@@ -85,3 +88,18 @@ def capture_suspended() -> Iterator[None]:
         yield
     finally:
         _suspended -= 1
+
+
+@contextlib.contextmanager
+def compiled_region() -> Iterator[None]:
+    """Inside, a compiled graph runs: factories are captured while dynamo traces it, not when its code executes.
+
+    Dynamo traces this mode into the graph (the ``from_local`` of a captured ``torch.ones`` is part of the graph),
+    so when the graph's code later runs under the still-active mode its factory calls must stay plain.
+    """
+    global _compiled
+    _compiled += 1
+    try:
+        yield
+    finally:
+        _compiled -= 1

@@ -7,7 +7,13 @@ stage and pipeline split with a cost model and applies them.
 
 from __future__ import annotations
 
-from vescale.plan.auto_parallelize import ParallelReport, auto_parallelize, choose_parallelism
+from vescale.plan.auto_parallelize import (
+    ParallelReport,
+    ParallelResult,
+    auto_parallelize,
+    choose_parallelism,
+    language_model_loss,
+)
 from vescale.plan.auto_plan import AutoPlan, Decision, auto_plan, plan_from_trace
 from vescale.plan.comm import CommCounter
 from vescale.plan.cost import CostEstimate, HardwareModel, estimate
@@ -16,5 +22,6 @@ from vescale.plan.pipeline import PipelineSplit, pipeline_split
 from vescale.plan.trace import ModelTrace, TraceError, trace_model
 
 __all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace", "explain", "auto_parallelize",
-           "choose_parallelism", "ParallelReport", "CostEstimate", "HardwareModel", "estimate", "PipelineSplit",
+           "choose_parallelism", "ParallelReport", "ParallelResult",
+           "language_model_loss", "CostEstimate", "HardwareModel", "estimate", "PipelineSplit",
            "pipeline_split", "CommCounter", "trace_model", "ModelTrace", "TraceError"]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vescale.core.errors import PlanError
@@ -12,7 +16,7 @@ from vescale.plan.cost import CostEstimate, HardwareModel, estimate
 from vescale.plan.pipeline import PipelineSplit, _blocks, pipeline_split
 from vescale.plan.trace import ModelTrace, TraceError, trace_model
 
-__all__ = ["ParallelReport", "choose_parallelism", "auto_parallelize"]
+__all__ = ["ParallelReport", "ParallelResult", "choose_parallelism", "auto_parallelize", "language_model_loss"]
 
 
 @dataclass
@@ -51,9 +55,14 @@ def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: f
                        max_tp: int = 8, param_bytes: int = 4, act_bytes: int = 4,
                        hw: HardwareModel | None = None, sequence_parallel: bool = True,
                        example_args: tuple | None = None, example_kwargs: dict | None = None,
-                       trace: ModelTrace | None = None) -> ParallelReport:
-    """Estimate every ``pp x dp x tp = world_size`` (``fixed`` pins some of them) and ZeRO stage 0-2; pick the
-    fastest that fits ``memory_budget_gb`` (the smallest memory if none fits). Pure: no collectives, no weights."""
+                       trace: ModelTrace | None = None, zero_stages: tuple[int, ...] = (0, 1, 2)) -> ParallelReport:
+    """Estimate every ``pp x dp x tp = world_size`` (``fixed`` pins some of them) and ZeRO stage in ``zero_stages``;
+    pick the fastest that fits ``memory_budget_gb`` (the smallest memory if none fits). ``zero_stages`` apply where
+    ``dp > 1`` and ``pp == 1``; every other candidate is ZeRO 0 (no dp to shard over, or pipeline stages, which the
+    ZeRO optimizer does not wrap). Pure: no collectives, no weights."""
+    bad = [z for z in zero_stages if z not in (0, 1, 2)]
+    if bad or not zero_stages:
+        raise PlanError(f"zero_stages must be a non-empty subset of (0, 1, 2), got {tuple(zero_stages)}")
     hw = hw or HardwareModel()
     if trace is None:
         trace = trace_model(model, example_args, example_kwargs)
@@ -78,14 +87,15 @@ def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: f
             dp = world_size // tp // pp
             if pp > layers or fixed.get("pp", pp) != pp or fixed.get("dp", dp) != dp or batch_size % dp:
                 continue
-            for zero in (0, 1, 2) if dp > 1 else (0,):
+            for zero in sorted(set(zero_stages)) if dp > 1 and pp == 1 else (0,):
                 cands.append(estimate(trace, pp=pp, dp=dp, tp=tp, zero_stage=zero, tp_sharded=sharded, pairs=rows,
                                       layers=layers, batch_size=batch_size, seq_len=seq_len, param_bytes=param_bytes,
                                       act_bytes=act_bytes, memory_budget_gb=memory_budget_gb, hw=hw,
                                       sequence_parallel=sequence_parallel, vocab=vocab if heads else 0))
     if not cands:
         raise PlanError(f"no pp x dp x tp factorisation of world size {world_size} fits the constraints "
-                        f"(fixed={fixed}, batch_size={batch_size}, {layers} blocks, max_tp={max_tp})")
+                        f"(fixed={fixed}, batch_size={batch_size}, {layers} blocks, max_tp={max_tp}, "
+                        f"zero_stages={tuple(zero_stages)})")
     # prefer less ZeRO (less complexity, same step time) on ties; fitting candidates first
     cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory_gb, c.zero_stage))
     report = ParallelReport(cands[0], cands)
@@ -96,31 +106,122 @@ def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: f
     return report
 
 
+def language_model_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits (a tensor, or an output with ``.logits`` / ``["logits"]``)."""
+    logits = output.logits if hasattr(output, "logits") else output["logits"] if isinstance(output, dict) else output
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@dataclass
+class ParallelResult:
+    """What :func:`auto_parallelize` built on this rank.
+
+    ``model``: the (tensor-parallelized) model when ``pp == 1``, else ``None``; ``ddp``: the
+    :class:`vescale.parallel.DistributedDataParallel` around it when ``dp > 1`` and ``pp == 1``; ``engine``: the
+    :class:`vescale.pipe.PipeEngine` when ``pp > 1`` (its ``step(batch, target)`` runs forward and backward of this
+    dp rank's batch); ``mesh``: the pp/dp/tp mesh (``None`` on one rank); ``report``: the choice.
+    Unpacks as ``(module, report)`` for the older two-value form.
+    """
+
+    report: ParallelReport
+    mesh: Any = None
+    model: nn.Module | None = None
+    ddp: nn.Module | None = None
+    engine: Any = None
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The module to call for ``pp == 1`` (the DDP wrapper when there is one); ``None`` with a pipeline."""
+        return self.ddp if self.ddp is not None else self.model
+
+    def __iter__(self):
+        return iter((self.module if self.engine is None else self.engine, self.report))
+
+    def shard_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This dp rank's slice (dim 0) of a global batch: what it feeds ``module`` or ``engine.step``."""
+        if batch.shape[0] % self.dp_size:
+            raise PlanError(f"global batch of {batch.shape[0]} does not divide over dp={self.dp_size}")
+        return batch.chunk(self.dp_size)[self.dp_rank]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters this rank holds (the pipeline stages' or the model's)."""
+        if self.engine is not None:
+            return self.engine.parameters()
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def make_optimizer(self, optimizer_cls: type, **kw: Any):
+        """Build the optimizer the choice calls for: ``optimizer_cls(**kw)`` wrapped in
+        :class:`vescale.parallel.DistributedOptimizer` at the chosen ZeRO stage (1 or 2), else a plain
+        ``optimizer_cls(self.parameters(), **kw)``. ``DistributedOptimizer`` needs an elementwise optimizer."""
+        zero = self.report.chosen.zero_stage
+        if zero and self.ddp is not None:
+            from vescale.parallel import DistributedOptimizer
+
+            return DistributedOptimizer(optimizer_cls, self.ddp, zero_stage=zero, **kw)
+        return optimizer_cls(self.parameters(), **kw)
+
+
+def _microbatch_example(example_args: tuple | None, example_kwargs: dict | None, mb: int, seq_len: int) -> Any:
+    """One microbatch of the example inputs (dim 0 of every tensor set to ``mb``), or token ids ``[mb, seq_len]``."""
+    def resize(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return v[:1].expand(mb, *v.shape[1:]).contiguous()
+        return v
+
+    if example_kwargs:
+        return {k: resize(v) for k, v in example_kwargs.items()}
+    if example_args:
+        return tuple(resize(a) for a in example_args)
+    return (torch.zeros(mb, seq_len, dtype=torch.long),)
+
+
 def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=None,
                      memory_budget_gb: float | None = None, batch_size: int = 8, seq_len: int = 2048,
                      apply: bool = True, sequence_parallel: bool = True, example_args: tuple | None = None,
-                     example_kwargs: dict | None = None, **kw) -> tuple[nn.Module, ParallelReport]:
-    """Choose and apply a parallelization of ``model``; return ``(model, report)``.
+                     example_kwargs: dict | None = None, fixed: dict[str, int] | None = None,
+                     zero_stages: tuple[int, ...] = (0, 1, 2), schedule: str = "1f1b",
+                     num_microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                     **kw) -> ParallelResult:
+    """Choose a parallelization of ``model`` with the cost model and build it; return a :class:`ParallelResult`.
 
-    ``mesh`` (with dims named among pp/dp/tp) pins the mesh shape, otherwise ``world_size`` (default: the process
-    group's) is factorised by :func:`choose_parallelism`; ``**kw`` go to it (hardware model, ``max_tp``, ...).
-    With ``apply=True`` and a chosen ``pp == 1``, ``model`` is parallelized in place with :func:`auto_plan` on a
-    ``dp x tp`` mesh (data parallelism through the plan's batch-sharded activations). The ZeRO stage is a
-    recommendation in the report (wrap with ``vescale.parallel`` DDP/DistributedOptimizer yourself); for
-    ``pp > 1`` the report carries the split points for ``vescale.pipe.split`` and nothing is applied.
+    ``mesh`` (dims named among pp/dp/tp) pins the mesh shape, otherwise ``world_size`` (default: the process group's)
+    is factorised by :func:`choose_parallelism`, restricted by ``fixed`` (e.g. ``{"pp": 2, "tp": 2}``) and
+    ``zero_stages``; ``**kw`` go to it (hardware model, ``max_tp``, ...). ``batch_size`` is the global batch in
+    sequences. Every rank must build ``model`` with the same weights (DDP broadcasts from dp rank 0 anyway).
+
+    With ``apply=True`` the whole choice is built on a ``pp x dp x tp`` mesh (dims of size 1 left out):
+
+    * ``pp == 1``: :func:`auto_plan` on the tp sub-mesh parallelizes ``model`` in place (sequence parallel if asked);
+      for ``dp > 1`` it is wrapped in ``DistributedDataParallel(model, dp_mesh, zero_stage=chosen)``. Each rank
+      feeds ``result.module`` its dp slice (``result.shard_batch``) and calls backward on its mean loss; build the
+      optimizer with ``result.make_optimizer(torch.optim.AdamW, lr=...)`` (a ``DistributedOptimizer`` for ZeRO 1/2).
+    * ``pp > 1``: ``vescale.pipe.split`` cuts ``model`` at the report's split points, captured on one microbatch of
+      the example inputs (dim 0 set to ``batch_size // dp // num_microbatches``; default token ids
+      ``[mb, seq_len]``); with ``tp > 1`` each of this rank's stages is sharded by the plan's parameter entries
+      (``vescale.parallel.parallelize_stage``, embeddings replicated); a ``PipeEngine`` over the pp sub-mesh (dp
+      averages gradients over stage replicas) runs ``schedule`` with ``num_microbatches`` (default ``2 * pp``) and
+      ``loss_fn(output, target)`` (default: token cross-entropy of the logits). ``result.engine.step(inputs,
+      targets)`` takes this rank's dp slice of the batch.
+
+    Raises :class:`PlanError` on every rank, before any collective, when the batch does not divide into dp ranks and
+    microbatches or the model cannot be traced.
     """
     import torch.distributed as dist
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import parallelize_module
 
-    fixed = None
+    pinned = None
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names or ())
         unknown = [n for n in names if n not in ("pp", "dp", "tp")]
-        if unknown:
-            raise PlanError(f"auto_parallelize understands mesh dims pp, dp, tp; {mesh} has {unknown}")
-        fixed = {n: 1 for n in ("pp", "dp", "tp")} | dict(zip(names, mesh.shape))
+        if unknown or len(names) != mesh.ndim:
+            raise PlanError(f"auto_parallelize understands mesh dims pp, dp, tp; {mesh} has {unknown or names}")
+        pinned = {n: 1 for n in ("pp", "dp", "tp")} | dict(zip(names, mesh.shape))
+        clash = {k: v for k, v in (fixed or {}).items() if pinned.get(k, v) != v}
+        if clash:
+            raise PlanError(f"fixed={fixed} contradicts the mesh {dict(zip(names, mesh.shape))}")
         world_size = mesh.size()
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -129,16 +230,70 @@ def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=No
     except TraceError as exc:
         raise PlanError(f"auto_parallelize needs a meta-device trace for its cost model: {exc}") from exc
     report = choose_parallelism(model, world_size, memory_budget_gb=memory_budget_gb, batch_size=batch_size,
-                                seq_len=seq_len, fixed=fixed, sequence_parallel=sequence_parallel, trace=trace, **kw)
+                                seq_len=seq_len, fixed=pinned or fixed, sequence_parallel=sequence_parallel,
+                                trace=trace, zero_stages=zero_stages, **kw)
     c = report.chosen
-    if not apply or c.pp > 1:
-        if c.pp > 1:
-            report.notes.append("pp > 1: not applied; build stages with vescale.pipe.split(model, split_points)")
-        return model, report
-    if mesh is None or "pp" in (mesh.mesh_dim_names or ()):
-        mesh = init_mesh({"dp": c.dp, "tp": c.tp})
-    report.plan = auto_plan(model, mesh, sequence_parallel=sequence_parallel, example_args=example_args,
-                            example_kwargs=example_kwargs, trace=trace)
-    parallelize_module(model, mesh, report.plan)
+    result = ParallelResult(report, model=model if c.pp == 1 else None)
+    if not apply:
+        return result
+    microbatches = num_microbatches or 2 * c.pp
+    if c.pp > 1 and batch_size % (c.dp * microbatches):
+        raise PlanError(f"batch_size {batch_size} does not divide into dp={c.dp} x {microbatches} microbatches "
+                        f"for pp={c.pp}")
+    if world_size > 1 and mesh is None:
+        mesh = init_mesh({n: s for n, s in (("pp", c.pp), ("dp", c.dp), ("tp", c.tp)) if s > 1})
+    result.mesh = mesh
+    dims = tuple(mesh.mesh_dim_names) if mesh is not None else ()
+    sub = {dims[0]: mesh} if len(dims) == 1 else {n: mesh[n] for n in dims}
+    tp_mesh = sub.get("tp") if c.tp > 1 else None
+    if c.dp > 1:
+        result.dp_size, result.dp_rank = c.dp, sub["dp"].get_local_rank()
+    if c.pp == 1:
+        if tp_mesh is not None:
+            from vescale.parallel import parallelize_module
+
+            report.plan = auto_plan(model, tp_mesh, sequence_parallel=sequence_parallel, example_args=example_args,
+                                    example_kwargs=example_kwargs, trace=trace)
+            parallelize_module(model, tp_mesh, report.plan)
+        if c.dp > 1:
+            from vescale.parallel import DistributedDataParallel
+
+            result.ddp = DistributedDataParallel(model, sub["dp"], zero_stage=c.zero_stage)
+            report.notes.append(f"DistributedDataParallel over dp={c.dp}, zero_stage={c.zero_stage}; build the "
+                                "optimizer with result.make_optimizer(cls, **kw)")
+    else:
+        result.engine = _build_pipeline(model, report, sub, tp_mesh, trace, microbatches, schedule,
+                                        loss_fn or language_model_loss,
+                                        _microbatch_example(example_args, example_kwargs,
+                                                            batch_size // c.dp // microbatches, seq_len),
+                                        example_args, example_kwargs)
     report.applied = True
-    return model, report
+    return result
+
+
+def _build_pipeline(model: nn.Module, report: ParallelReport, sub: dict, tp_mesh, trace: ModelTrace,
+                    microbatches: int, schedule: str, loss_fn: Callable, mb_example: Any,
+                    example_args: tuple | None, example_kwargs: dict | None):
+    """Split ``model`` at the report's split points and build the engine over this rank's (tp-sharded) stages."""
+    from vescale.pipe import PipeEngine, build_schedule, split
+
+    c = report.chosen
+    stages: list[nn.Module | None] = list(split(model, split_points=report.split.split_points,
+                                                example_inputs=mb_example))
+    pp_mesh = sub["pp"]
+    sched = build_schedule(schedule, c.pp, microbatches, len(stages))
+    local = set(sched.stages_of(pp_mesh.get_local_rank()))
+    stages = [s if i in local else None for i, s in enumerate(stages)]
+    if tp_mesh is not None:
+        from vescale.parallel import parallelize_stage
+
+        # parameter entries only: a captured stage has no module boundaries; no sequence parallelism
+        report.plan = auto_plan(model, tp_mesh, sequence_parallel=False, example_args=example_args,
+                                example_kwargs=example_kwargs, trace=trace)
+        embeddings = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+        stages = [parallelize_stage(s, tp_mesh, report.plan, embeddings) if s is not None else None
+                  for s in stages]
+    report.notes.append(f"pipeline: {len(stages)} stages at {report.split.split_points}, schedule {schedule!r}, "
+                        f"{microbatches} microbatches")
+    return PipeEngine(stages, pp_mesh, schedule=sched, num_microbatches=microbatches, loss_fn=loss_fn,
+                      dp_group=sub["dp"].get_group() if "dp" in sub else None)

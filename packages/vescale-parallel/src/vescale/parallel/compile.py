@@ -1,0 +1,172 @@
+"""Compile mode: ``torch.compile`` the repeated blocks of a vescale-parallelized model, in place.
+
+:func:`compile_parallel` compiles each transformer block (every child of the model's ``nn.ModuleList`` of layers, or
+the modules a regex names) with :meth:`nn.Module.compile`, which keeps every FQN, ``state_dict`` key and parameter
+object. Inside a block, everything vescale installs compiles into one graph per block: DTensor ops, the plan's
+``.input``/``.output`` redistributions (and their Megatron-style backward), and tensors captured by
+:class:`~vescale.parallel.factory.FactoryCapture` (the causal mask built in a block). ``fullgraph=True`` is the
+default, so a graph break inside a block is an error, not a silent slowdown.
+
+What stays eager, deliberately (a documented fence, not a fallback):
+
+* the root module's boundary hooks and the factory-capture mode they enter (dynamo traces a mode entered by a hook
+  but the resumed graphs then run under the real mode too, and converted tensors get converted twice);
+* the vocab-parallel embedding: torch's ``_MaskPartial`` placement keeps its mask in mutable state on the placement
+  object, which dynamo cannot carry from the embedding lookup to the reduction;
+* the lm head, the loss (:func:`~vescale.parallel.vocab_parallel_cross_entropy`) and gradient hooks (DDP buckets,
+  ``param.grad`` redistribution), which run once per step and are not on the hot path;
+* ``.local`` modules of the plan (data-dependent MoE dispatch), which are skipped if they are blocks.
+
+Dropout inside a block is refused in training mode (:class:`CompileError`): vescale's counter-based RNG makes
+eager dropout masks bit-equal to the single-device run; compiled RNG would draw different masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from vescale.core.errors import VescaleError
+from vescale.parallel.factory import compiled_region
+from vescale.parallel.local import _local_forward
+
+__all__ = ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks", "CompileError"]
+
+
+class CompileError(VescaleError, ValueError):
+    """A model cannot be compiled as asked (no blocks found, dropout active in a block, bad arguments)."""
+
+
+def compile_parallel(module: nn.Module, *, blocks: str | None = None, backend: str | Callable = "inductor",
+                     fullgraph: bool = True, dynamic: bool | None = False, mode: str | None = None,
+                     options: dict | None = None) -> nn.Module:
+    """Compile each block of ``module`` in place and return ``module`` (see the module docstring for what stays eager).
+
+    ``blocks``: a regex (full match) over module FQNs naming the blocks; default: the children of the largest
+    ``nn.ModuleList`` (``model.layers``, ``transformer.h``, ...). Works on a module parallelized by
+    :func:`~vescale.parallel.parallelize_module`; call it before wrapping the model in DDP (tested with TP/SP and with
+    a dp x tp mesh); for a graph-captured pipeline stage use :func:`compile_forward`. Raises :class:`CompileError`,
+    naming the FQN, when no block matches or a block has active dropout (``p > 0`` and ``training``); the check is
+    local, identical on every rank, and issues no collective.
+    """
+    if not isinstance(module, nn.Module):
+        raise CompileError(f"compile_parallel expects an nn.Module, got {type(module).__name__}")
+    if fullgraph is not True and fullgraph is not False:
+        raise CompileError(f"fullgraph must be a bool, got {fullgraph!r}")
+    found = _find_blocks(module, blocks)
+    for fqn, block in found:
+        _check_no_dropout(fqn, block)
+    compiled = []
+    for fqn, block in found:
+        if getattr(block.forward, "func", None) is _local_forward:
+            continue  # a .local module (data dependent): stays eager
+        block.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, mode=mode, options=options)
+        block._compiled_call_impl = functools.partial(_run_compiled, block._compiled_call_impl)
+        compiled.append(fqn)
+    module._vescale_compiled_blocks = compiled
+    return module
+
+
+def compile_forward(module: nn.Module, *, backend: str | Callable = "inductor", fullgraph: bool = False,
+                    dynamic: bool | None = False, mode: str | None = None, options: dict | None = None) -> nn.Module:
+    """Compile ``module.forward`` (not its hooks) in place and return ``module``: for a graph-captured pipeline stage.
+
+    A stage from :func:`vescale.pipe.split` is one flat graph with no blocks; its vescale root hooks (boundary
+    conversion, factory capture) keep running eagerly around the compiled ``forward``. ``fullgraph`` defaults to
+    ``False`` here: a stage may hold code that breaks the graph (the fence is then dynamo's own graph break).
+    """
+    if not isinstance(module, nn.Module):
+        raise CompileError(f"compile_forward expects an nn.Module, got {type(module).__name__}")
+    _check_no_dropout(type(module).__name__, module)
+    compiled = torch.compile(module.forward, backend=backend, fullgraph=fullgraph, dynamic=dynamic, mode=mode,
+                             options=options)
+    module.forward = functools.partial(_run_compiled, compiled)
+    module._vescale_compiled_blocks = [""]
+    return module
+
+
+def compiled_blocks(module: nn.Module) -> list[str]:
+    """FQNs of the blocks :func:`compile_parallel` compiled in ``module`` (empty if it was not called)."""
+    return list(getattr(module, "_vescale_compiled_blocks", []))
+
+
+def block_graph_breaks(module: nn.Module, *args: Any, blocks: str | None = None, **kwargs: Any) -> dict[str, dict]:
+    """Run ``module(*args, **kwargs)`` once and ``torch._dynamo.explain`` each block on the inputs it received.
+
+    Returns ``{block_fqn: {"graphs": n, "graph_breaks": n, "reasons": [str, ...]}}``. The explain runs on the
+    block's *uncompiled* forward (with its vescale hooks), under the model's factory capture, with grad disabled;
+    use it before or after :func:`compile_parallel` to see whether a block compiles as one graph.
+    """
+    from vescale.parallel.factory import FactoryCapture
+
+    found = _find_blocks(module, blocks)
+    seen: dict[str, tuple] = {}
+
+    def grab(fqn: str, mod: nn.Module, a: tuple, kw: dict) -> None:
+        seen.setdefault(fqn, (a, kw))
+
+    handles = [b.register_forward_pre_hook(functools.partial(grab, fqn), with_kwargs=True) for fqn, b in found]
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
+    result: dict[str, dict] = {}
+    for fqn, block in found:
+        if fqn not in seen:
+            raise CompileError(f"block {fqn!r} was not called by the forward; cannot explain it")
+        a, kw = seen[fqn]
+        with torch.no_grad(), (FactoryCapture(mesh) if mesh is not None else contextlib.nullcontext()), \
+                compiled_region():
+            torch._dynamo.reset()
+            ex = torch._dynamo.explain(functools.partial(_call_uncompiled, block))(*a, **kw)
+        result[fqn] = {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count,
+                       "reasons": [str(r.reason) for r in ex.break_reasons]}
+    return result
+
+
+def _run_compiled(compiled: Callable, *args: Any, **kwargs: Any) -> Any:
+    with compiled_region():
+        return compiled(*args, **kwargs)
+
+
+def _call_uncompiled(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return nn.Module._call_impl(block, *args, **kwargs)
+
+
+def _find_blocks(module: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module]]:
+    if pattern is not None:
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            raise CompileError(f"blocks pattern {pattern!r} is not a valid regex: {e}") from None
+        found = [(fqn, m) for fqn, m in module.named_modules() if fqn and rx.fullmatch(fqn)]
+        if not found:
+            raise CompileError(f"blocks pattern {pattern!r} matches no submodule of {type(module).__name__}")
+        return found
+    lists = [(fqn, m) for fqn, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise CompileError(f"{type(module).__name__} has no nn.ModuleList of blocks; name them with blocks=REGEX")
+    fqn, layers = max(lists, key=lambda x: len(x[1]))
+    return [(f"{fqn}.{name}" if fqn else name, b) for name, b in layers.named_children()]
+
+
+def _check_no_dropout(fqn: str, block: nn.Module) -> None:
+    for name, m in block.named_modules():
+        if not m.training:
+            continue
+        where = f"{fqn}.{name}" if name else fqn
+        p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else getattr(m, "attention_dropout", 0.0)
+        if isinstance(p, (int, float)) and p > 0:
+            raise CompileError(f"block {where!r} ({type(m).__name__}) has dropout p={p} in training mode; compiled "
+                               "dropout would not reproduce vescale's single-device RNG masks. Set dropout to 0 or "
+                               "call .eval() before compile_parallel")
