@@ -1,7 +1,9 @@
 """vescale.parallel: tensor, sequence and data parallelism for unmodified models.
 
-Scope (being built): ``parallelize_module`` driven by a regex-FQN plan (TP and SP), Megatron-style DDP with bucketed,
-overlapped gradient reduction, a ZeRO DistributedOptimizer, vocab-parallel loss and gradient clipping over nD meshes.
+``parallelize_module`` driven by a regex-FQN plan (TP and SP) with example plans for common model families,
+Megatron-style DDP with bucketed, overlapped gradient reduction, a ZeRO 1/2 DistributedOptimizer (ZeRO 3 through
+torch's ``fully_shard``), vocab-parallel loss, gradient clipping over nD meshes, ``parallelize_stage`` for captured
+pipeline stages, and per-block compile mode.
 """
 
 from __future__ import annotations
