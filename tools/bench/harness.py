@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 
 import torch.multiprocessing as tmp
 
+from vescale.core.launch import free_port
 from vescale.core.testing import run_on_ranks, shutdown_pools
 
 
@@ -41,11 +41,6 @@ def _native_rank(rank: int, world_size: int, port: int) -> None:
     _all_reduce()
     dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -74,7 +69,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     for _ in range(args.native_calls):
-        tmp.spawn(_native_rank, args=(n, _free_port()), nprocs=n, join=True)
+        tmp.spawn(_native_rank, args=(n, free_port()), nprocs=n, join=True)
     native = (time.perf_counter() - t0) / args.native_calls
 
     print(json.dumps({

@@ -6,12 +6,12 @@ All comparisons are bitwise (``torch.equal``) against the values saved.
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 
 from vescale import checkpoint
+from vescale.core.launch import free_port
 from vescale.core.testing import run_on_ranks
 
 
@@ -106,18 +106,13 @@ def test_round_trip_every_value_kind(tmp_path, where):
     assert checkpoint.verify(path)["tensors"] == len(meta["tensors"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def s3_options():
     pytest.importorskip("s3fs")
     ThreadedMotoServer = pytest.importorskip("moto.server").ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     options = {"key": "testing", "secret": "testing", "use_listings_cache": False, "skip_instance_cache": True,

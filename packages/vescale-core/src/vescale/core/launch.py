@@ -13,7 +13,7 @@ from typing import Any
 
 from vescale.core._workers import WorkerGroup, default_backend
 
-__all__ = ["spawn", "init_distributed", "default_backend"]
+__all__ = ["spawn", "init_distributed", "default_backend", "free_port"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
@@ -46,7 +46,7 @@ def init_distributed(backend: str | None = None, timeout: float = 1800.0) -> tup
         return dist.get_rank(), dist.get_world_size()
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = backend or default_backend(local_world)
@@ -56,7 +56,8 @@ def init_distributed(backend: str | None = None, timeout: float = 1800.0) -> tup
     return dist.get_rank(), dist.get_world_size()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous or a local test server)."""
     import socket
 
     with socket.socket() as s:
