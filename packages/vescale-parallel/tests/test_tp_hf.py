@@ -2,8 +2,9 @@
 
 One multi-rank test per model and world size. World size 2: tp=2 with sequence parallelism, dropout on (vescale's
 counter RNG, so masks are the single-device ones bit for bit), and the model's *own* loss (``labels=``) computed
-vocab-parallel under :func:`vescale.parallel.loss_parallel`. World size 4: tp=4 plain TP with gathered logits at the
-boundary and an external loss, then a 2x2 dp x tp mesh with SP, dropout and :func:`vocab_parallel_cross_entropy`
+vocab-parallel under :func:`vescale.parallel.loss_parallel`. World size 4: tp=4 plain TP with the models' default
+``sdpa`` attention (torch's CPU kernel under vescale's head-sharded rule), gathered logits at the boundary and an
+external loss, then a 2x2 dp x tp mesh with SP, dropout and :func:`vocab_parallel_cross_entropy`
 with label smoothing. fp32. Logits, loss and every parameter gradient: ``assert_close(rtol=1e-5, atol=1e-6)`` (not
 bitwise: sharding reorders reductions); each gradient's placements equal its parameter's.
 """
@@ -18,13 +19,13 @@ RTOL, ATOL = 1e-5, 1e-6
 MODELS = ["llama", "qwen2", "mixtral", "gpt2"]
 
 
-def _build(kind: str, dropout: float):
+def _build(kind: str, dropout: float, attn: str):
     import transformers as tf
 
     # 8 heads / 4 kv heads (GQA) and every sharded size divide tp=4.
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=32, attention_dropout=dropout,
-                  attn_implementation="eager")
+                  attn_implementation=attn)
     if kind == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif kind == "qwen2":
@@ -36,12 +37,13 @@ def _build(kind: str, dropout: float):
     else:
         model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                                                 attn_implementation="eager", eos_token_id=0, bos_token_id=0))
+                                                 attn_implementation=attn, eos_token_id=0, bos_token_id=0))
     return model.train()
 
 
-def _run_case(kind: str, mesh_dims: dict, *, sp: bool, dropout: float, mode: str):
-    """``mode``: "hf_loss" (labels= under loss_parallel), "plain" (gathered logits), "vocab" (vocab-parallel CE)."""
+def _run_case(kind: str, mesh_dims: dict, *, sp: bool, dropout: float, mode: str, attn: str = "eager"):
+    """``mode``: "hf_loss" (labels= under loss_parallel), "plain" (gathered logits), "vocab" (vocab-parallel CE).
+    ``attn``: the model's ``attn_implementation`` ("sdpa": torch's CPU attention kernel, vescale's sharding rule)."""
     import copy
 
     import torch
@@ -55,7 +57,7 @@ def _run_case(kind: str, mesh_dims: dict, *, sp: bool, dropout: float, mode: str
     mesh = init_mesh(mesh_dims)
     dp = mesh_dims.get("dp", 1)
     torch.manual_seed(0)
-    ref = _build(kind, dropout)
+    ref = _build(kind, dropout, attn)
     par = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (4, 8), generator=g)
@@ -119,5 +121,5 @@ def test_hf_model_matches_single_device(kind, world_size):
     if world_size == 2:
         _run_case(kind, {"tp": 2}, sp=True, dropout=0.1, mode="hf_loss")
     else:
-        _run_case(kind, {"tp": 4}, sp=False, dropout=0.0, mode="plain")
+        _run_case(kind, {"tp": 4}, sp=False, dropout=0.0, mode="plain", attn="sdpa")
         _run_case(kind, {"dp": 2, "tp": 2}, sp=True, dropout=0.1, mode="vocab")

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.dtensor import random
+from vescale.dtensor import sharding_rules as _sharding_rules  # noqa: F401  (registers the rules torch lacks)
 from vescale.dtensor.api import distribute_tensor, from_local, full_tensor, redistribute
 from vescale.dtensor.deferred import deferred_init, is_deferred, materialize
 from vescale.dtensor.errors import DeferredInitError, PlacementError, StrictRedistributeError

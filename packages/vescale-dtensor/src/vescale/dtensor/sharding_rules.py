@@ -1,0 +1,112 @@
+"""Sharding rules for ATen ops that torch's DTensor lacks, registered when :mod:`vescale.dtensor` is imported.
+
+* ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: the kernel that
+  ``F.scaled_dot_product_attention`` (and so every Hugging Face model's default ``attn_implementation="sdpa"``)
+  picks on the CPU. torch registers rules for the CUDA attention kernels only, so without this a tensor-parallel
+  model on CPU ranks must fall back to ``attn_implementation="eager"``.
+
+Attention is independent per batch row and per head, so each mesh dim may shard the batch (dim 0) or the heads
+(dim 1) of query, key, value, output and logsumexp alike, or replicate them all. Grouped-query attention (fewer
+key/value heads) stays correct under head sharding: query head ``i`` reads key/value head ``i // group``, and
+contiguous equal shards keep whole groups together (the number of key/value heads must divide by the mesh dim).
+An ``attn_mask`` follows the dim it broadcasts over: sharded like the others where it has that dim in full,
+replicated where its size there is 1. Anything else (the sequence dim sharded) is redistributed by DTensor first.
+
+Dropout inside the kernel (``dropout_p > 0``) on DTensors is refused: the kernel draws its mask from each rank's
+local generator, which would not reproduce the single-device result (vescale's counter RNG covers
+``nn.Dropout``, not fused attention dropout). Set the attention dropout to 0 or use eager attention.
+
+Built on torch's private ``torch.distributed.tensor._ops`` registration API (the same one torch's own rules use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+
+__all__ = ["ATTENTION_DROPOUT_ERROR"]
+
+aten = torch.ops.aten
+
+ATTENTION_DROPOUT_ERROR = (
+    "scaled_dot_product_attention with dropout_p={p} on DTensors: the fused CPU kernel draws its dropout mask from "
+    "each rank's own generator, so the result would not match one device. Set the attention dropout to 0 (e.g. "
+    "config.attention_dropout=0.0) or use attn_implementation='eager' (dropout through nn.Dropout is handled by "
+    "vescale's counter RNG)"
+)
+
+
+def _mask_placement(op_schema: OpSchema, dim: int) -> list:
+    """The placement of the optional ``attn_mask`` keyword for a strategy that shards ``dim`` (or [] if absent)."""
+    mask = op_schema.kwargs_schema.get("attn_mask")
+    if not isinstance(mask, OpStrategy):
+        return []
+    shape = mask.shape
+    full_dim = dim - (4 - len(shape))  # the mask broadcasts from the right against (batch, heads, q_len, kv_len)
+    if full_dim < 0 or shape[full_dim] == 1:
+        return [Replicate()]
+    return [Shard(full_dim)]
+
+
+def _attention_strategies(op_schema: OpSchema, outputs: int, inputs: int) -> list[list]:
+    """Replicate all, shard the batch, or shard the heads: ``outputs`` output and ``inputs`` tensor input entries."""
+    strategies = [[Replicate()] * (outputs + inputs + len(_mask_placement(op_schema, 0)))]
+    for dim in (0, 1):
+        strategies.append([Shard(dim)] * (outputs + inputs) + _mask_placement(op_schema, dim))
+    return strategies
+
+
+def _no_empty_heads(heads: tuple[int, ...]) -> Callable[[list, object], bool]:
+    """A strategy filter: refuse head sharding that leaves a rank without heads (torch's CPU kernel then dies of
+    SIGFPE). Shards follow ``torch.chunk``: 6 heads over 4 ranks are 2, 2, 2, 0."""
+
+    def valid(input_specs: list, output_specs: object) -> bool:
+        spec = input_specs[0]  # q (grad_out in backward): all tensors of a strategy share batch/head placements
+        for n in heads:
+            for mesh_dim, placement in enumerate(spec.placements):
+                if placement.is_shard(1):
+                    k = spec.mesh.size(mesh_dim)
+                    n = max(0, n - -(-n // k) * (k - 1))  # the smallest chunk
+            if n == 0:
+                return False
+        return True
+
+    return valid
+
+
+def _heads(op_schema: OpSchema, first: int) -> tuple[int, ...]:
+    """Head counts of the query and the key (grouped-query attention has fewer key/value heads)."""
+    return tuple(op_schema.args_schema[i].shape[1] for i in (first, first + 1))
+
+
+def _refuse_dropout(p: float) -> None:
+    if p:
+        raise NotImplementedError(ATTENTION_DROPOUT_ERROR.format(p=p))
+
+
+@register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"]))
+def _cpu_flash_attention_strategy(op_schema: OpSchema) -> OpStrategy:
+    # (query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None) -> (output, logsumexp)
+    args = op_schema.args_schema
+    _refuse_dropout(args[3] if len(args) > 3 else 0.0)
+    mesh = op_schema.get_mesh_from_args()
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 2, 3), input_index=2,
+                                           allow_uneven_sharding=True,
+                                           is_valid_strategy_cb=_no_empty_heads(_heads(op_schema, 0)))
+
+
+@register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                      schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]))
+def _cpu_flash_attention_backward_strategy(op_schema: OpSchema) -> OpStrategy:
+    # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None)
+    #   -> (grad_query, grad_key, grad_value)
+    _refuse_dropout(op_schema.args_schema[6])
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 3, 6), input_index=3,
+                                           allow_uneven_sharding=True,
+                                           is_valid_strategy_cb=_no_empty_heads(_heads(op_schema, 1)))
