@@ -6,10 +6,12 @@ The Llama-shaped GPT of ``vescale.core.testing.models`` (``--small``: d=64, 2 la
 ``tp`` mesh with ``gpt_plan(sequence_parallel=True)``, parallelized twice from the same weights:
 
 * eager: ``vescale.parallel.parallelize_module`` as is (the PyTorch-native eager DTensor execution);
-* compiled: the same, then ``vescale.parallel.compile_parallel(backend=...)`` (every block one ``fullgraph`` graph).
+* compiled: the same, then ``vescale.parallel.compile_parallel(backend=...)`` (every block one ``fullgraph`` graph);
+* whole: the same, then ``torch.compile(model, backend=..., fullgraph=True)`` (the whole model, root boundary,
+  embedding and lm head included, one graph).
 
 A step is forward, cross-entropy on the gathered logits, backward and an SGD update. Steps are interleaved (eager,
-compiled, eager, ...) after warm-up so machine noise hits both. Reports the median step time of the slowest rank,
+compiled, whole, eager, ...) after warm-up so machine noise hits both. Reports the median step time of the slowest rank,
 the ratio compiled / eager, the first (compiling) step's time, and the max loss difference over the steps (a
 sanity check: it must stay ~1e-6). Runs on GPUs with NCCL when one per rank is visible, else on CPU with gloo.
 Prints one JSON object.
@@ -49,12 +51,13 @@ def _rank(small: bool, tp: int, steps: int, backend: str) -> dict:
     mesh = init_mesh({"tp": tp}, device_type=dev) if dev == "cuda" else init_mesh({"tp": tp})
     torch.manual_seed(0)
     base = GPT(cfg).to(dev)
-    eager, comp = copy.deepcopy(base), copy.deepcopy(base)
+    eager, comp, whole = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     plan = gpt_plan(mesh, sequence_parallel=True)
-    parallelize_module(eager, mesh, plan)
-    parallelize_module(comp, mesh, plan)
+    for m in (eager, comp, whole):
+        parallelize_module(m, mesh, plan)
     compile_parallel(comp, backend=backend)
-    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-2) for name, m in (("eager", eager), ("compiled", comp))}
+    models = {"eager": eager, "compiled": comp, "whole": torch.compile(whole, backend=backend, fullgraph=True)}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-2) for name, m in models.items()}
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev),
              torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev)) for _ in range(steps + 1)]
@@ -71,21 +74,23 @@ def _rank(small: bool, tp: int, steps: int, backend: str) -> dict:
         value = loss.item()
         return time.perf_counter() - t0, value
 
-    first = {name: step(name, m, 0)[0] for name, m in (("eager", eager), ("compiled", comp))}
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    first = {name: step(name, m, 0)[0] for name, m in models.items()}
+    times: dict[str, list[float]] = {name: [] for name in models}
     diff = 0.0
     for i in range(1, steps + 1):
-        te, le = step("eager", eager, i)
-        tc, lc = step("compiled", comp, i)
-        times["eager"].append(te)
-        times["compiled"].append(tc)
-        diff = max(diff, abs(le - lc))
-    med = torch.tensor([statistics.median(times["eager"]), statistics.median(times["compiled"]), first["compiled"]],
-                       dtype=torch.float64)
+        losses = {}
+        for name, m in models.items():
+            t, losses[name] = step(name, m, i)
+            times[name].append(t)
+        diff = max(diff, *(abs(losses["eager"] - v) for v in losses.values()))
+    med = torch.tensor([statistics.median(times["eager"]), statistics.median(times["compiled"]), first["compiled"],
+                        statistics.median(times["whole"]), first["whole"]], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return {"device": dev, "tp": tp, "backend": backend, "eager_step_s": round(med[0].item(), 5),
             "compiled_step_s": round(med[1].item(), 5), "ratio_compiled_over_eager": round((med[1] / med[0]).item(), 3),
-            "first_compiled_step_s": round(med[2].item(), 2), "max_loss_diff": diff,
+            "first_compiled_step_s": round(med[2].item(), 2), "whole_step_s": round(med[3].item(), 5),
+            "ratio_whole_over_eager": round((med[3] / med[0]).item(), 3), "first_whole_step_s": round(med[4].item(), 2),
+            "max_loss_diff": diff,
             "params": sum(p.numel() for p in base.parameters())}
 
 

@@ -185,6 +185,14 @@ def test_dropout_forward_backward_on_dtensor():
     ref = R.dropout(ref_x, 0.5)
     (ref * ref).sum().backward()
     assert torch.equal(y.full_tensor(), ref) and torch.equal(x.grad.full_tensor(), ref_x.grad)
+    # Under torch.compile the counter would advance once, at trace time, and the graph would repeat that mask:
+    # refused with the reason, on every rank, when the graph is traced.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: torch.nn.functional.dropout(t, 0.5), backend="aot_eager")
+    with pytest.raises(Exception, match="inside torch.compile: vescale's counter RNG"):  # dynamo wraps the error
+        compiled(x)
     R.uninstall()
 
 

@@ -16,7 +16,7 @@ from vescale.dtensor import random
 from vescale.dtensor import sharding_rules as _sharding_rules  # noqa: F401  (registers the rules torch lacks)
 from vescale.dtensor.api import distribute_tensor, from_local, full_tensor, redistribute
 from vescale.dtensor.deferred import deferred_init, is_deferred, materialize
-from vescale.dtensor.errors import DeferredInitError, PlacementError, StrictRedistributeError
+from vescale.dtensor.errors import CompiledRandomError, DeferredInitError, PlacementError, StrictRedistributeError
 from vescale.dtensor.placements import InterleavedShard, RaggedShard, as_interleaved, is_interleaved
 from vescale.dtensor.strict import CommCounter, count_comms, is_strict, strict
 
@@ -46,4 +46,5 @@ __all__ = [
     "PlacementError",
     "StrictRedistributeError",
     "DeferredInitError",
+    "CompiledRandomError",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vescale.core.errors import VescaleError
 
-__all__ = ["PlacementError", "StrictRedistributeError", "DeferredInitError"]
+__all__ = ["PlacementError", "StrictRedistributeError", "DeferredInitError", "CompiledRandomError"]
 
 
 class PlacementError(VescaleError, ValueError):
@@ -17,3 +17,7 @@ class StrictRedistributeError(VescaleError, RuntimeError):
 
 class DeferredInitError(VescaleError, RuntimeError):
     """A deferred module cannot be materialised as asked (unknown FQN, bad placements, unsupported init op)."""
+
+
+class CompiledRandomError(VescaleError, RuntimeError):
+    """A DTensor random op (dropout, init) reached vescale's counter RNG while ``torch.compile`` was tracing."""

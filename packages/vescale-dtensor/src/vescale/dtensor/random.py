@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale.dtensor._philox import MASK32, philox4x32
-from vescale.dtensor.errors import PlacementError
+from vescale.dtensor.errors import CompiledRandomError, PlacementError
 from vescale.dtensor.layout import global_flat_index
 
 __all__ = ["manual_seed", "initial_seed", "get_state", "set_state", "single_device", "rand", "randn", "randint",
@@ -257,7 +257,16 @@ def _handle(func, args, kwargs, index: torch.Tensor | None = None):
     """Run random aten op ``func`` with the counter RNG; NotImplemented for ops it does not cover.
 
     ``index`` overrides the element indices of an in-place fill (deferred init replaying a write to a view).
+    Raises :class:`CompiledRandomError` while ``torch.compile`` traces: the counter advances in Python at trace time,
+    so a compiled graph would replay one draw (the same dropout mask) on every call.
     """
+    if torch.compiler.is_compiling():
+        raise CompiledRandomError(
+            f"{func} on a DTensor inside torch.compile: vescale's counter RNG (dropout masks and init equal to one "
+            "device's) runs eagerly only; a compiled graph would repeat one mask on every call. Set dropout to 0 or "
+            "call .eval() for the compiled region, compile only blocks without dropout "
+            "(vescale.parallel.compile_parallel checks this), or vescale.dtensor.random.uninstall() to use torch's "
+            "RNG (masks then differ from one device's)")
     kwargs = dict(kwargs or {})
     kwargs.pop("generator", None)
     if func is aten.uniform_.default:

@@ -3,7 +3,7 @@
 ``parallelize_module`` driven by a regex-FQN plan (TP and SP) with example plans for common model families,
 Megatron-style DDP with bucketed, overlapped gradient reduction, a ZeRO 1/2 DistributedOptimizer (ZeRO 3 through
 torch's ``fully_shard``), vocab-parallel loss, gradient clipping over nD meshes, ``parallelize_stage`` for captured
-pipeline stages, and per-block compile mode.
+pipeline stages, and compile mode (per block, whole model, pipeline stages).
 """
 
 from __future__ import annotations

@@ -7,15 +7,18 @@ object. Inside a block, everything vescale installs compiles into one graph per 
 :class:`~vescale.parallel.factory.FactoryCapture` (the causal mask built in a block). ``fullgraph=True`` is the
 default, so a graph break inside a block is an error, not a silent slowdown.
 
-What stays eager, deliberately (a documented fence, not a fallback):
+Whole-model compile also works: ``torch.compile(model, fullgraph=True)`` or ``model.compile(fullgraph=True)`` of a
+model parallelized by :func:`~vescale.parallel.parallelize_module` traces the root's boundary hooks, the factory
+capture they enter (dynamo traces the mode; :class:`~vescale.parallel.factory.FactoryCapture` leaves the code that
+AOT autograd and the compiled graph really run alone, so nothing is converted twice) and the vocab-parallel embedding
+(:func:`install_compilable_embeddings`: a Megatron-style masked local lookup while dynamo traces, because torch's
+``_MaskPartial`` keeps its mask in mutable placement state that dynamo loses), with no graph break. Use
+``fullgraph=True``: without it a backend failure (DTensor's strided-shard backward needs concrete indices) silently
+becomes a graph break and that frame runs eagerly (still correct, but slow).
 
-* the root module's boundary hooks and the factory-capture mode they enter (dynamo traces a mode entered by a hook
-  but the resumed graphs then run under the real mode too, and converted tensors get converted twice);
-* the vocab-parallel embedding: torch's ``_MaskPartial`` placement keeps its mask in mutable state on the placement
-  object, which dynamo cannot carry from the embedding lookup to the reduction;
-* the lm head, the loss (:func:`~vescale.parallel.vocab_parallel_cross_entropy`) and gradient hooks (DDP buckets,
-  ``param.grad`` redistribution), which run once per step and are not on the hot path;
-* ``.local`` modules of the plan (data-dependent MoE dispatch), which are skipped if they are blocks.
+What stays eager: the loss when called outside the model, gradient hooks (DDP buckets, ``param.grad``
+redistribution) and the optimizer, which run once per step and are not on the hot path; ``.local`` modules of the
+plan (data-dependent MoE dispatch), which are skipped if they are blocks.
 
 Dropout inside a block is refused in training mode (:class:`CompileError`): vescale's counter-based RNG makes
 eager dropout masks bit-equal to the single-device run; compiled RNG would draw different masks.
@@ -31,13 +34,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.core.errors import VescaleError
 from vescale.parallel.factory import compiled_region
 from vescale.parallel.local import _local_forward
 
-__all__ = ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks", "CompileError"]
+__all__ = ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks", "CompileError",
+           "install_compilable_embeddings"]
 
 
 class CompileError(VescaleError, ValueError):
@@ -74,13 +78,16 @@ def compile_parallel(module: nn.Module, *, blocks: str | None = None, backend: s
     return module
 
 
-def compile_forward(module: nn.Module, *, backend: str | Callable = "inductor", fullgraph: bool = False,
+def compile_forward(module: nn.Module, *, backend: str | Callable = "inductor", fullgraph: bool = True,
                     dynamic: bool | None = False, mode: str | None = None, options: dict | None = None) -> nn.Module:
     """Compile ``module.forward`` (not its hooks) in place and return ``module``: for a graph-captured pipeline stage.
 
     A stage from :func:`vescale.pipe.split` is one flat graph with no blocks; its vescale root hooks (boundary
-    conversion, factory capture) keep running eagerly around the compiled ``forward``. ``fullgraph`` defaults to
-    ``False`` here: a stage may hold code that breaks the graph (the fence is then dynamo's own graph break).
+    conversion, factory capture) keep running eagerly around the compiled ``forward``, which runs inside
+    :func:`~vescale.parallel.factory.compiled_region` (its aten factories were captured when dynamo traced it).
+    ``fullgraph=True`` (the default) is required for a tensor-parallel stage: with ``False``, a backend failure
+    (DTensor's strided-shard backward needs concrete indices under fake tensors) becomes a graph break whose eager
+    remainder runs inside the compiled region without factory capture, and DTensor raises on mixed tensors.
     """
     if not isinstance(module, nn.Module):
         raise CompileError(f"compile_forward expects an nn.Module, got {type(module).__name__}")
@@ -132,6 +139,66 @@ def block_graph_breaks(module: nn.Module, *args: Any, blocks: str | None = None,
         result[fqn] = {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count,
                        "reasons": [str(r.reason) for r in ex.break_reasons]}
     return result
+
+
+def install_compilable_embeddings(module: nn.Module) -> list[str]:
+    """Give every vocab-parallel ``nn.Embedding`` of ``module`` a lookup dynamo can trace; return their FQNs.
+
+    A vocab-parallel embedding has a DTensor weight ``Shard(0)`` on exactly one mesh dim and ``Replicate`` on the
+    others (``parallelize_module`` calls this after distributing the parameters). Eagerly its ``forward`` is
+    unchanged (torch's ``_MaskPartial`` lookup). While dynamo traces it, it looks up this rank's vocabulary rows
+    Megatron-style instead: ids outside the slice read row 0 and are zeroed, and the result is a plain ``Partial``
+    sum over the vocab dim, which the embedding's ``.output`` entry then reduces (the same collective). Modules that
+    override ``forward`` or use ``max_norm``/``sparse``/``scale_grad_by_freq`` keep torch's lookup.
+    """
+    found = []
+    for fqn, mod in module.named_modules():
+        if type(mod).forward is not nn.Embedding.forward or "forward" in mod.__dict__:
+            continue
+        if mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq:
+            continue
+        weight = mod.weight
+        if not isinstance(weight, DTensor):
+            continue
+        places = list(weight.placements)
+        vdims = [i for i, p in enumerate(places) if isinstance(p, Shard) and p.dim in (0, -2) and type(p) is Shard]
+        if len(vdims) != 1 or any(not isinstance(p, Replicate) for i, p in enumerate(places) if i != vdims[0]):
+            continue
+        vdim = vdims[0]
+        mesh = weight.device_mesh
+        n, coord = mesh.size(vdim), mesh.get_local_rank(vdim)
+        chunk = -(-weight.shape[0] // n)  # torch.chunk's rule, as Shard uses
+        if chunk * (n - 1) >= weight.shape[0]:
+            continue  # some rank holds no rows: keep torch's lookup
+        offset = min(coord * chunk, weight.shape[0])
+        mod.forward = functools.partial(_embedding_forward, module=mod, vdim=vdim, offset=offset)
+        found.append(fqn)
+    return found
+
+
+def _embedding_forward(ids: Any, *, module: nn.Embedding, vdim: int, offset: int) -> Any:
+    if not (torch.compiler.is_compiling() and isinstance(ids, DTensor)):
+        return nn.Embedding.forward(module, ids)
+    weight = module.weight
+    mesh = weight.device_mesh
+    places = list(ids.placements)
+    want = [Replicate() if i == vdim or isinstance(p, Partial) else p for i, p in enumerate(places)]
+    if want != places:
+        ids = ids.redistribute(mesh, want)
+    w, idx = weight.to_local(), ids.to_local()
+    rows = w.shape[0]
+    outside = (idx < offset) | (idx >= offset + rows)
+    local = (idx - offset).masked_fill(outside, 0)  # no factory call: factory capture must not see one
+    pad = module.padding_idx
+    pad = pad - offset if pad is not None and offset <= pad < offset + rows else None
+    out = torch.nn.functional.embedding(local, w, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+    shape = (*ids.shape, weight.shape[1])
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.insert(0, acc)
+        acc *= size
+    return DTensor.from_local(out, mesh, [Partial() if i == vdim else p for i, p in enumerate(want)],
+                              run_check=False, shape=torch.Size(shape), stride=tuple(stride))
 
 
 def _run_compiled(compiled: Callable, *args: Any, **kwargs: Any) -> Any:

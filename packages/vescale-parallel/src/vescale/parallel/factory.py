@@ -48,32 +48,43 @@ def _aten_overloads(names: tuple[str, ...]) -> set:
     return found
 
 
-#: Deterministic creation functions whose plain-tensor results are captured as replicated DTensors: the ``torch.*``
-#: functions eager code calls and their aten overloads, which captured graphs call.
-FACTORY_FUNCTIONS: frozenset = frozenset({
+_TORCH_FACTORIES = frozenset({
     torch.arange, torch.range, torch.ones, torch.zeros, torch.full, torch.empty, torch.eye, torch.linspace,
     torch.logspace, torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.ones_like, torch.zeros_like,
     torch.full_like, torch.empty_like, torch.tril_indices, torch.triu_indices,
-} | _aten_overloads(_FACTORY_NAMES))
+})
+_ATEN_FACTORIES = frozenset(_aten_overloads(_FACTORY_NAMES))
+
+#: Deterministic creation functions whose plain-tensor results are captured as replicated DTensors: the ``torch.*``
+#: functions eager code calls and their aten overloads, which captured graphs call.
+FACTORY_FUNCTIONS: frozenset = _TORCH_FACTORIES | _ATEN_FACTORIES
 
 
 class FactoryCapture(TorchFunctionMode):
     """Wrap plain results of :data:`FACTORY_FUNCTIONS` as DTensors replicated on ``device_mesh``.
 
     Issues no collective. A result that already is a DTensor (``ones_like`` of a DTensor) is returned unchanged.
+    ``aten=False`` captures only the ``torch.*`` functions, not their ``torch.ops.aten`` overloads: for roots whose
+    code is ordinary Python (a ``torch.compile``d graph calls aten overloads, and they must stay plain); ``True``
+    for roots that run a graph captured by ``torch.export`` (pipeline stages).
+
+    Under ``torch.compile`` (see :mod:`vescale.parallel.compile`): while dynamo traces, the wrapping is traced into
+    the graph; code that really runs during a compile session (AOT autograd tracing the graph, whose factories are
+    already wrapped) or inside :func:`compiled_region` is left alone, so nothing is converted twice.
     """
 
-    def __init__(self, device_mesh) -> None:
+    def __init__(self, device_mesh, *, aten: bool = True) -> None:
         super().__init__()
         self.device_mesh = device_mesh
         self._replicate = [Replicate()] * device_mesh.ndim
+        self._functions = FACTORY_FUNCTIONS if aten else _TORCH_FACTORIES
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if _suspended or func not in FACTORY_FUNCTIONS:
+        if _suspended or func not in self._functions:
             return out
-        if _compiled and not torch.compiler.is_compiling():
-            return out  # a compiled graph's own ops: its factories were captured (and wrapped) when it was traced
+        if not torch.compiler.is_dynamo_compiling() and (_compiled or torch.compiler.is_compiling()):
+            return out  # a compiled graph's own ops, or AOT tracing one: captured when dynamo traced it
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
             out = DTensor.from_local(out, self.device_mesh, self._replicate, run_check=False)
         return out

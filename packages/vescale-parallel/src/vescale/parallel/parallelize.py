@@ -27,6 +27,10 @@ DTensors, and tensors created in ``forward`` are captured as replicated DTensors
 Boundary redistributions are differentiable with Megatron's backward: an all-gathered (sequence-parallel) input's
 gradient is reduce-scattered, a reduced output's gradient passes through.
 
+Compile: a vocab-parallel ``nn.Embedding`` gets a lookup dynamo can trace (see
+:func:`vescale.parallel.compile.install_compilable_embeddings`; eager is unchanged), so ``torch.compile(model)`` of
+the result works (see :mod:`.compile`).
+
 Gradients: after accumulation each parameter's ``.grad`` is redistributed to the parameter's own placements (the
 ``Partial`` gradient of a replicated norm weight under sequence parallelism, or of any parameter on a data-parallel
 mesh dim, is all-reduced there), so ``param.grad`` always has ``param.placements``.
@@ -47,6 +51,7 @@ from torch.distributed.tensor.placement_types import Placement
 from vescale.core.errors import PlanError
 from vescale.core.fqn import match_plan
 from vescale.dtensor import distribute_tensor, is_deferred, materialize
+from vescale.parallel.compile import install_compilable_embeddings
 from vescale.parallel.factory import FactoryCapture
 from vescale.parallel.local import make_local
 from vescale.parallel.report import PlanEntry, PlanReport
@@ -78,6 +83,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, plan: Plan) -
     report = PlanReport(mesh_desc)
     _distribute_state(module, device_mesh, decisions, report)
     _install_hooks(module, device_mesh, inputs, outputs, local, report)
+    install_compilable_embeddings(module)
     module.plan_report = functools.partial(_identity, report)
     return module
 
@@ -297,8 +303,8 @@ def _fmt_spec(spec) -> str:
 class _RootState:
     """Per-root bookkeeping: the factory-capture mode is entered on the outermost call only."""
 
-    def __init__(self, mesh) -> None:
-        self.mesh = mesh
+    def __init__(self, mesh, aten: bool) -> None:
+        self.mesh, self.aten = mesh, aten
         self.depth = 0
         self.mode: FactoryCapture | None = None
 
@@ -317,7 +323,9 @@ def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: 
         report.entries.append(PlanEntry("output", fqn, (), _fmt_spec(spec), key))
         if fqn != "" and fqn not in local:
             mods[fqn].register_forward_hook(functools.partial(_output_hook, mesh=mesh, spec=spec, fqn=fqn))
-    state = _RootState(mesh)
+    # a root that runs an exported graph (a pipeline stage) calls aten factories directly; others call torch.*
+    runs_graph = any(isinstance(v, torch.fx.GraphModule) for v in (module, *vars(module).values()))
+    state = _RootState(mesh, aten=runs_graph)
     module.register_forward_pre_hook(
         functools.partial(_root_pre_hook, state=state, spec=inputs.get("", (None, None))[1]), with_kwargs=True)
     module.register_forward_hook(
@@ -433,7 +441,7 @@ def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict, *, state: _Root
     kwargs = {k: default(k, v) for k, v in kwargs.items()}
     state.depth += 1
     if state.depth == 1:
-        state.mode = FactoryCapture(state.mesh)
+        state.mode = FactoryCapture(state.mesh, aten=state.aten)
         state.mode.__enter__()
     return args, kwargs
 
