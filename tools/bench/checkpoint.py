@@ -8,9 +8,13 @@ slowest rank between barriers: the first call of each operation (imports, plans,
 then the median of 5 calls with vescale and DCP alternating (the machine may be shared): save (each to a new
 directory, as a training run does), load into the same layout, load resharded onto tp = 4; then the blocking part
 and the total of async saves (first, then median). DCP uses ``dcp.save``/``dcp.async_save``/``dcp.load`` with
-``get_state_dict``/``set_state_dict``. Both fsync their files. The disk's sequential write and read bandwidth is
-measured with dd (O_DIRECT) in the same directory. Reads after a save are served largely from the page cache on
-both sides (caches are not dropped on a shared machine). Prints one JSON object.
+``get_state_dict``/``set_state_dict``. Both fsync their files. Each timed save's directory is deleted after it
+(untimed), so that long runs do not fill the disk. A DCP operation that raises is recorded as ``dcp_<op>_error``
+and not retried; every other figure is still reported. The bytes each side writes (``*_bytes_written``) give
+each side's save throughput as a fraction of the disk's sequential write bandwidth, measured with dd (O_DIRECT)
+in the same directory, by one stream and by 4 concurrent streams (as many as the writing ranks). Reads after a
+save are served largely from the page cache on both sides (caches are not dropped on a shared machine). Prints
+one JSON object.
 """
 
 from __future__ import annotations
@@ -72,12 +76,13 @@ def _timed(fn, repeat: int | None = None):
 
 
 def _bench(root: str, d: int, layers: int) -> dict:
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from vescale import checkpoint
 
-    r: dict[str, float] = {}
+    r: dict[str, float | str] = {}
     model, opt = _model(d, layers, 2, 0)
     _train_step(model, opt, d)
     state = {"model": model, "optim": opt, "step": 1}
@@ -94,31 +99,80 @@ def _bench(root: str, d: int, layers: int) -> dict:
         set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     fresh = iter(range(10**6))  # saves go to new directories, like a training run's step_N checkpoints
+
+    def new_dir(prefix: str) -> str:
+        return f"{root}/{prefix}-{next(fresh)}"
+
     checkpoint.save(f"{root}/v1", state)
     dcp.save(dcp_state(model, opt), checkpoint_id=f"{root}/d1")
+    if dist.get_rank() == 0:
+        r["vescale_bytes_written"], r["dcp_bytes_written"] = _bytes(f"{root}/v1"), _bytes(f"{root}/d1")
     ops = {  # name -> (vescale, DCP); each pair runs alternately so that both see the same machine load
-        "save": (lambda: checkpoint.save(f"{root}/v-{next(fresh)}", state),
-                 lambda: dcp.save(dcp_state(model, opt), checkpoint_id=f"{root}/d-{next(fresh)}")),
+        "save": (lambda: checkpoint.save(new_dir("v"), state),
+                 lambda: dcp.save(dcp_state(model, opt), checkpoint_id=new_dir("d"))),
         "load": (lambda: checkpoint.load(f"{root}/v1", state),
                  lambda: dcp_load(model, opt, f"{root}/d1")),
         "load_reshard": (lambda: checkpoint.load(f"{root}/v1", state4),
                          lambda: dcp_load(model4, opt4, f"{root}/d1")),
     }
-    for name, (v, c) in ops.items():  # first calls: imports, plans, lazily built optimizer state
-        r[f"vescale_{name}_first_s"], _ = _timed(v, 1)
-        r[f"dcp_{name}_first_s"], _ = _timed(c, 1)
+    failed: dict[str, str] = {}  # DCP operations that raised: reported, not retried; every other figure is kept
+
+    def run(name: str, side: str, fn, samples: list[float]) -> None:
+        if side == "dcp" and name in failed:
+            return
+        try:
+            t, _ = _timed(fn, 1)
+            error = ""
+        except Exception as exc:  # noqa: BLE001 - a failure of the compared library must not lose our figures
+            if side != "dcp":
+                raise
+            t, error = 0.0, f"{type(exc).__name__}: {exc}"[:500]
+        if _all_max(float(bool(error))):  # every rank learns that some rank failed
+            failed[name] = error or "failed on another rank"
+        else:
+            samples.append(t)
+        _clean(root)
+
     samples: dict[str, list[float]] = {}
+    for name, (v, c) in ops.items():  # first calls: imports, plans, lazily built optimizer state
+        run(name, "vescale", v, samples.setdefault(f"vescale_{name}_first_s", []))
+        run(name, "dcp", c, samples.setdefault(f"dcp_{name}_first_s", []))
     for _ in range(_REPEAT):
         for name, (v, c) in ops.items():
-            samples.setdefault(f"vescale_{name}_s", []).append(_timed(v, 1)[0])
-            samples.setdefault(f"dcp_{name}_s", []).append(_timed(c, 1)[0])
+            run(name, "vescale", v, samples.setdefault(f"vescale_{name}_s", []))
+            run(name, "dcp", c, samples.setdefault(f"dcp_{name}_s", []))
         samples.setdefault("vescale_load_read_once_send_s", []).append(
             _timed(lambda: checkpoint.load(f"{root}/v1", state, dedup_reads=True), 1)[0])
-    r.update({k: statistics.median(v) for k, v in samples.items()})
-    r.update(_async(lambda i: checkpoint.save(f"{root}/v2-{i}", state, async_save=True), "vescale"))
-    r.update(_async(lambda i: _Waitable(dcp.async_save(dcp_state(model, opt), checkpoint_id=f"{root}/d2-{i}")),
-                    "dcp"))
+    r.update({k: statistics.median(v) for k, v in samples.items() if v})
+    r.update(_async(lambda i: checkpoint.save(new_dir("va"), state, async_save=True), "vescale", root))
+    try:
+        r.update(_async(lambda i: _Waitable(dcp.async_save(dcp_state(model, opt), checkpoint_id=new_dir("da"))),
+                        "dcp", root))
+    except _SideFailed as exc:
+        failed["async_save"] = str(exc)
+    r.update({f"dcp_{name}_error": error for name, error in failed.items()})
     return r
+
+
+class _SideFailed(Exception):
+    pass
+
+
+def _bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def _clean(root: str) -> None:
+    """Delete the checkpoints of timed saves (not the two loaded ones) once every rank is done with them: a run
+    of many 2 GB saves would otherwise fill the disk."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for name in os.listdir(root):
+            if name not in ("v1", "d1"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.barrier()
 
 
 class _Waitable:
@@ -129,8 +183,9 @@ class _Waitable:
         self.future.result()
 
 
-def _async(start, name: str) -> dict[str, float]:
-    """Blocking and total time of async saves: the first (allocates buffers), then the median of the next ones."""
+def _async(start, name: str, root: str) -> dict[str, float]:
+    """Blocking and total time of async saves: the first (allocates buffers), then the median of the next ones.
+    A failure on any rank raises :class:`_SideFailed` on every rank."""
     import statistics
 
     import torch.distributed as dist
@@ -139,12 +194,19 @@ def _async(start, name: str) -> dict[str, float]:
     for i in range(1 + _REPEAT):
         dist.barrier()
         t0 = time.perf_counter()
-        handle = start(i)
-        blocked = time.perf_counter() - t0
-        handle.wait()
+        error = ""
+        try:
+            handle = start(i)
+            blocked = time.perf_counter() - t0
+            handle.wait()
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON
+            error, blocked = f"{type(exc).__name__}: {exc}"[:500], 0.0
         dist.barrier()
         total.append(time.perf_counter() - t0)
-        blocking.append(_all_max(blocked))  # after the wait: DCP's background save uses the default group
+        if _all_max(float(bool(error))):  # after the wait: DCP's background save uses the default group
+            raise _SideFailed(error or "failed on another rank")
+        blocking.append(_all_max(blocked))
+        _clean(root)
     return {f"{name}_async_first_blocking_s": blocking[0], f"{name}_async_blocking_s": statistics.median(blocking[1:]),
             f"{name}_async_total_s": statistics.median(total[1:])}
 
@@ -159,16 +221,29 @@ def _all_max(x: float) -> float:
 
 
 def _dd(root: str, mb: int) -> dict:
-    """Sequential write (O_DIRECT + fdatasync) and read (O_DIRECT) bandwidth of the disk under ``root``, GB/s."""
-    f = os.path.join(root, "dd.tmp")
+    """Sequential write (O_DIRECT + fdatasync) and read (O_DIRECT) bandwidth of the disk under ``root``, GB/s: one
+    dd stream, and 4 concurrent streams writing a quarter each (the checkpoint's 4 writing ranks)."""
     out = {}
-    for name, cmd in [("write", ["dd", "if=/dev/zero", f"of={f}", "bs=4M", f"count={max(1, mb // 4)}",
-                                 "oflag=direct", "conv=fdatasync"]),
-                      ("read", ["dd", f"if={f}", "of=/dev/null", "bs=4M", "iflag=direct"])]:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", res.stderr)
-        out[f"dd_{name}_GBps"] = round(int(m.group(1)) / float(m.group(2)) / 1e9, 3) if m else None
-    os.remove(f)
+    for streams in (1, 4):
+        files = [os.path.join(root, f"dd{i}.tmp") for i in range(streams)]
+        count = max(1, mb // 4 // streams)
+        suffix = "" if streams == 1 else f"_{streams}x"
+        for name in ("write", "read"):
+            cmds = [["dd", "if=/dev/zero", f"of={f}", "bs=4M", f"count={count}", "oflag=direct", "conv=fdatasync"]
+                    if name == "write" else ["dd", f"if={f}", "of=/dev/null", "bs=4M", "iflag=direct"] for f in files]
+            t0 = time.perf_counter()
+            procs = [subprocess.Popen(c, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True) for c in cmds]
+            errs = [p.communicate()[1] for p in procs]
+            elapsed = time.perf_counter() - t0
+            copied = [re.search(r"(\d+) bytes .* copied, ([\d.]+) s", e) for e in errs]
+            if not all(copied):
+                out[f"dd_{name}{suffix}_GBps"] = None
+            elif streams == 1:
+                out[f"dd_{name}_GBps"] = round(int(copied[0].group(1)) / float(copied[0].group(2)) / 1e9, 3)
+            else:  # all streams together, start to last finish
+                out[f"dd_{name}{suffix}_GBps"] = round(sum(int(m.group(1)) for m in copied) / elapsed / 1e9, 3)
+        for f in files:
+            os.remove(f)
     return out
 
 
@@ -192,15 +267,21 @@ def main() -> None:
     gb = state_bytes / 1e9
     out = {"bench": "checkpoint", "world_size": 4, "mesh": "dp=2,tp=2", "state_GB": round(gb, 3),
            "layers": layers, "d_model": d, **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}
-    out["speedup_save"] = round(r["dcp_save_s"] / r["vescale_save_s"], 2)
-    out["speedup_load"] = round(r["dcp_load_s"] / r["vescale_load_s"], 2)
-    out["speedup_load_reshard"] = round(r["dcp_load_reshard_s"] / r["vescale_load_reshard_s"], 2)
-    out["vescale_async_blocking_fraction_of_save"] = round(r["vescale_async_blocking_s"] / r["vescale_save_s"], 3)
-    out["dcp_async_blocking_fraction_of_save"] = round(r["dcp_async_blocking_s"] / r["dcp_save_s"], 3)
-    out["vescale_save_GBps"] = round(gb / r["vescale_save_s"], 3)
+    pairs = {"speedup_save": "save_s", "speedup_load": "load_s", "speedup_load_reshard": "load_reshard_s"}
+    for out_key, key in pairs.items():
+        if f"dcp_{key}" in r:
+            out[out_key] = round(r[f"dcp_{key}"] / r[f"vescale_{key}"], 2)
+    for side in ("vescale", "dcp"):
+        if f"{side}_async_blocking_s" in r and f"{side}_save_s" in r:
+            fraction = r[f"{side}_async_blocking_s"] / r[f"{side}_save_s"]
+            out[f"{side}_async_blocking_fraction_of_save"] = round(fraction, 3)
+        if f"{side}_save_s" in r:
+            out[f"{side}_save_GBps"] = round(r[f"{side}_bytes_written"] / 1e9 / r[f"{side}_save_s"], 3)
+            for dd in ("dd_write_GBps", "dd_write_4x_GBps"):
+                if r.get(dd):
+                    out[f"{side}_save_fraction_of_{dd[:-5]}"] = round(out[f"{side}_save_GBps"] / r[dd], 3)
     out["vescale_load_GBps"] = round(gb / r["vescale_load_s"], 3)
-    if r.get("dd_write_GBps"):
-        out["vescale_save_fraction_of_dd_write"] = round(out["vescale_save_GBps"] / r["dd_write_GBps"], 3)
+    out["load_average"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out))
 
 

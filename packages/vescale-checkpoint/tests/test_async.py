@@ -64,7 +64,7 @@ def test_async_save_overlaps_training(tmp_path):
     state = {"model": m, "optim": opt, "step": 1}
     path = os.path.join(tmp_path, "ckpt")
 
-    write = _storage.Storage.write_file
+    write, copy_slice = _storage.Storage.write_file, _save._COPY_SLICE
 
     def slow_write(self, *args, **kwargs):
         time.sleep(0.5)
@@ -79,11 +79,14 @@ def test_async_save_overlaps_training(tmp_path):
         in_flight = not handle.done()
         after = _full(state)
         plan = _save._cached
-        handle2 = checkpoint.save(path + "2", state, async_save=True)  # waits for the first, reuses the plan
+        _save._COPY_SLICE = 64  # two threads snapshot in 64-byte slices
+        handle2 = checkpoint.save(path + "2", state, async_save=True, threads=2)  # waits for the first, reuses
+        # the plan
         assert handle.done() and _save._cached is plan
         handle2.wait()
     finally:
         _storage.Storage.write_file = write
+        _save._COPY_SLICE = copy_slice
     assert in_flight, "the save finished before the training steps; the overlap was not exercised"
     handle.wait()
 
@@ -100,3 +103,35 @@ def test_async_save_overlaps_training(tmp_path):
     loaded = _full(fresh)
     for k in after:
         assert torch.equal(loaded[k], after[k]), k
+
+
+@multi_rank(world_sizes=[2])
+def test_async_save_replans_when_one_rank_changes(tmp_path):
+    """Rank 0's cached plan still fits its own state, so it snapshots before the ranks agree; rank 1 gained a key,
+    so they plan again and rank 0's early snapshot is discarded. The checkpoint holds the values bitwise."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale import checkpoint
+    from vescale.checkpoint import _save
+
+    rank = dist.get_rank()
+    m, opt = _parallel(0)
+    _train(m, opt, 1)
+    state = {"model": m, "optim": opt}
+    checkpoint.save(os.path.join(tmp_path, "a"), state, async_save=True).wait()
+    plan = _save._cached
+    changed = {**state, "gained": torch.arange(10000.0)} if rank == 1 else state  # moves replicas to rank 0
+    expected = _full(changed)
+    checkpoint.save(os.path.join(tmp_path, "b"), changed, async_save=True).wait()
+    assert _save._cached is not plan, "the ranks did not plan again"
+    if rank == 0:
+        assert _save._cached.mine != plan.mine, "rank 0 writes the same boxes: the replan was not exercised"
+
+    m2, opt2 = _parallel(1)
+    fresh = {"model": m2, "optim": opt2, **({"gained": torch.zeros(10000)} if rank == 1 else {})}
+    checkpoint.load(os.path.join(tmp_path, "b"), fresh)
+    loaded = _full(fresh)
+    assert loaded.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(loaded[k], expected[k]), k

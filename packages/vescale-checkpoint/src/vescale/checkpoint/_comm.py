@@ -15,6 +15,15 @@ import torch
 import torch.distributed as dist
 
 _groups: dict[int, Any] = {}
+_SLOT = 64 << 10  # bytes of a message that travel in the first collective (with its 8-byte length)
+
+
+def _slot(data: bytes) -> torch.Tensor:
+    """A ``_SLOT``-byte buffer: the length of ``data``, then as much of it as fits (zero padded)."""
+    head = torch.zeros(_SLOT, dtype=torch.uint8)
+    first = len(data).to_bytes(8, "little") + data[:_SLOT - 8]
+    head[:len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    return head
 
 
 def _checkpoint_group():
@@ -50,31 +59,41 @@ class Comm:
             self.rank, self.world, self.group = 0, 1, None
 
     def all_gather_json(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order."""
+        """Every rank's ``obj``, in rank order (one collective when every message fits in ``_SLOT`` bytes)."""
         if self.group is None:
             return [obj]
-        data = torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
-        longest = max(int(s) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(out, padded, group=self.group)
-        return [json.loads(bytes(o[: int(s)].numpy())) for o, s in zip(out, sizes)]
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        head = _slot(data)
+        heads = [torch.empty(_SLOT, dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(heads, head, group=self.group)
+        sizes = [int.from_bytes(bytes(h[:8].numpy()), "little") for h in heads]
+        rest = max(sizes) - (_SLOT - 8)
+        tails = [b""] * self.world
+        if rest > 0:  # a message longer than one slot: the remainders, padded to the longest
+            mine = torch.zeros(rest, dtype=torch.uint8)
+            extra = data[_SLOT - 8:]
+            if extra:
+                mine[:len(extra)] = torch.frombuffer(bytearray(extra), dtype=torch.uint8)
+            out = [torch.empty(rest, dtype=torch.uint8) for _ in range(self.world)]
+            dist.all_gather(out, mine, group=self.group)
+            tails = [bytes(o.numpy()) for o in out]
+        return [json.loads((bytes(h[8:].numpy()) + t)[:n]) for h, t, n in zip(heads, tails, sizes)]
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
-        """``data`` from rank ``src`` on every rank."""
+        """``data`` from rank ``src`` on every rank (one collective when it fits in ``_SLOT`` bytes)."""
         if self.group is None:
             return data or b""
-        size = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64)
-        dist.broadcast(size, src, group=self.group)
-        if not int(size):
-            return b""
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src else torch.empty(
-            int(size), dtype=torch.uint8)
-        dist.broadcast(buf, src, group=self.group)
-        return bytes(buf.numpy())
+        head = _slot(data or b"") if self.rank == src else torch.empty(_SLOT, dtype=torch.uint8)
+        dist.broadcast(head, src, group=self.group)
+        size = int.from_bytes(bytes(head[:8].numpy()), "little")
+        got = bytes(head[8:8 + size].numpy())
+        rest = size - len(got)
+        if rest > 0:
+            buf = torch.frombuffer(bytearray(data[len(got):]), dtype=torch.uint8) if self.rank == src else \
+                torch.empty(rest, dtype=torch.uint8)
+            dist.broadcast(buf, src, group=self.group)
+            got += bytes(buf.numpy())
+        return got
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
         if self.group is None:

@@ -69,7 +69,7 @@ def local_pieces(t: torch.Tensor, key: str) -> list[Piece]:
     if coord is None:
         return []
     shape = tuple(t.shape)
-    local = t._local_tensor
+    local = t._local_tensor.detach()
     ragged = [(m, p) for m, p in enumerate(t.placements) if _is_ragged(p)]
     if ragged:
         return _ragged_pieces(t, key, ragged, coord)
@@ -161,7 +161,7 @@ def _ragged_pieces(t, key: str, ragged: list, coord: list[int]) -> list[Piece]:
     k = len(placement.dims)
     start, end = placement.local_range(shape, coord[mesh_dim])
     rest = shape[k:]
-    local = t._local_tensor.reshape(end - start, *rest)
+    local = t._local_tensor.detach().reshape(end - start, *rest)
     return flat_range_pieces(local, start, end, shape[:k], rest)
 
 

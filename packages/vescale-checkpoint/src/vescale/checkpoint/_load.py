@@ -1,18 +1,21 @@
 """``load``: check the state against the checkpoint, plan reads, read each stored byte once, send, fill in place.
 
 Every rank describes the boxes it needs (from its DTensors' placements on any mesh, or whole plain tensors). From
-everyone's needs and the metadata, all ranks derive the same plan: every stored shard that anyone needs is read by
-exactly one of the ranks needing it (fewest bytes read so far, largest shards first), checked against its crc32,
-and the overlapping sub-boxes are sent point to point to the other ranks needing them. (On one host with a local
-file system each needing rank reads the shard itself instead, the page cache serving the repeats: one of them reads
-it whole and checks its crc32, the others read only the contiguous byte range they need when there is one.) A
-needing rank whose target is exactly what it reads reads straight into the target's memory. Reading proceeds in
-rounds of bounded size; a damaged shard found by any rank fails the load on every rank before the targets of its
-round are filled.
+everyone's needs and the metadata, all ranks derive the same plan (reused while the same checkpoint is loaded into
+the same layout again): every stored shard that anyone needs is read by exactly one of the ranks needing it (fewest
+bytes read so far, largest shards first), checked against all its chunk checksums, and the overlapping sub-boxes
+are sent point to point to the other ranks needing them; reading then proceeds in rounds of bounded size, and a
+damaged shard found by any rank fails the load on every rank before the targets of its round are filled. On one
+host with a local file system each needing rank instead reads, with one positional read, just the byte span its
+parts cover (see :mod:`vescale.checkpoint._local_read`), the page cache serving the repeats; each checksum chunk is
+checked by one of the ranks that read it, so the checking is spread and no rank reads bytes only to check them
+where a rank reading them anyway can. A damaged shard found by any rank fails the load on every rank (targets may
+then be partly filled). A needing rank whose target is exactly the stored shard reads straight into its memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -26,7 +29,8 @@ import torch
 from vescale.checkpoint import _values
 from vescale.checkpoint._comm import Comm, io_threads
 from vescale.checkpoint._layout import intersect, relative
-from vescale.checkpoint._reader import read_metadata, read_shard, shard_nbytes, tensor_dtype
+from vescale.checkpoint._local_read import byte_span, read_parts, release_buffer
+from vescale.checkpoint._reader import chunk_spans, read_metadata, read_shard, shard_nbytes, tensor_dtype
 from vescale.checkpoint._save import describe, wait_pending
 from vescale.checkpoint._state import flatten
 from vescale.checkpoint._storage import Storage
@@ -36,6 +40,7 @@ from vescale.checkpoint.format import dtype_name
 __all__ = ["load", "LoadResult"]
 
 _ROUND_BYTES = 1 << 30
+_last_plan: tuple[str, list] | None = None  # (what it was planned for, the reads): the plan of the last load
 
 
 @dataclass
@@ -117,15 +122,18 @@ class _Read:
     shard: dict[str, Any]
     reader: int
     needs: list[tuple[int, int, tuple]]  # (rank, request index, intersection box)
-    verify: bool = True  # this reader checks the shard's crc32 (one reader per shard does)
-    part: tuple | None = None  # read only this contiguous sub-box of the shard (unverified; another rank verifies)
+    chunks: list[int] = field(default_factory=list)  # checksum chunks of the shard this reader checks
 
 
 def _plan(requests: list[dict], meta: dict, skip: set[str], dedup: bool) -> list[_Read]:
-    """Who reads which stored shard. ``dedup``: one reader per shard, which sends; else each needing rank reads."""
-    reads: list[_Read] = []
+    """Who reads which stored shard. ``dedup``: one reader per shard, which checks it whole and sends the others
+    their parts; else every needing rank reads its own parts, and the shard's checksum chunks are shared out among
+    them (each chunk to a rank that reads bytes in it, the least loaded first), so that every stored byte is checked
+    once and no rank reads a byte only to check it when a rank that needs the byte can."""
     groups: list[list[_Read]] = []
+    itemsize = {}
     for key in sorted({k for req in requests for k in req["tensors"]} - skip):
+        itemsize[key] = tensor_dtype(meta["tensors"][key]).itemsize
         for shard in meta["tensors"][key]["shards"]:
             box = (tuple(shard["offsets"]), tuple(shard["lengths"]))
             needs = []
@@ -134,47 +142,61 @@ def _plan(requests: list[dict], meta: dict, skip: set[str], dedup: bool) -> list
                     inter = intersect(box, (tuple(offs), tuple(lens)))
                     if inter is not None and (all(inter[1]) or not inter[1]):
                         needs.append((r, j, inter))
-            if needs and dedup:
-                reads.append(_Read(key, shard, -1, needs))
-            elif needs:
-                group = []
-                for r in sorted({r for r, _, _ in needs}):
-                    mine = [n for n in needs if n[0] == r]
-                    part = mine[0][2] if len(mine) == 1 and shard["codec"] == "raw" and _contiguous(
-                        mine[0][2], box) else None
-                    group.append(_Read(key, shard, r, mine, verify=False, part=part))
-                groups.append(group)
+            if not needs:
+                continue
+            if dedup:
+                groups.append([_Read(key, shard, -1, needs)])
+            else:
+                groups.append([_Read(key, shard, r, [n for n in needs if n[0] == r])
+                               for r in sorted({n[0] for n in needs})])
     load = [0] * len(requests)
-    if not dedup:  # each needing rank reads; one of them (balanced by bytes) reads it all and checks the crc32
-        for group in sorted(groups, key=lambda g: -shard_nbytes(g[0].shard)):
+    reads = []
+    for group in sorted(groups, key=lambda g: -shard_nbytes(g[0].shard)):
+        shard = group[0].shard
+        spans = chunk_spans(shard)
+        if dedup:
+            read = group[0]
+            read.reader = min({r for r, _, _ in read.needs}, key=lambda r: (load[r], r))
+            read.chunks = list(range(len(spans)))
+            load[read.reader] += shard_nbytes(shard)
+        elif shard["codec"] != "raw":  # compressed: each reader decompresses it whole; one of them checks it
             primary = min(group, key=lambda rd: (load[rd.reader], rd.reader))
-            primary.verify, primary.part = True, None
-            for rd in group:
-                load[rd.reader] += shard_nbytes(rd.shard) if rd.part is None else 0
-        return [rd for group in groups for rd in group]
-    for read in sorted(reads, key=lambda rd: -shard_nbytes(rd.shard)):
-        candidates = {r for r, _, _ in read.needs}
-        read.reader = min(candidates, key=lambda r: (load[r], r))
-        load[read.reader] += shard_nbytes(read.shard)
+            primary.chunks = list(range(len(spans)))
+            load[primary.reader] += shard_nbytes(shard)
+        else:
+            size = itemsize[group[0].key]
+            origin = shard["offsets"]
+            touched = {rd.reader: [byte_span(tuple(o - so for o, so in zip(inter[0], origin)), inter[1],
+                                             shard["lengths"], size) for _, _, inter in rd.needs] for rd in group}
+            by_rank = {rd.reader: rd for rd in group}
+            for i, (lo, hi) in enumerate(spans):
+                users = [r for r, ranges in touched.items() if any(a < hi and lo < b for a, b in ranges)]
+                r = min(users or list(by_rank), key=lambda r: (load[r], r))
+                by_rank[r].chunks.append(i)
+                load[r] += hi - lo
+        reads += group
     return reads
 
 
-def _contiguous(inter: tuple, box: tuple) -> bool:
-    """Whether sub-box ``inter`` of ``box`` is one contiguous byte range of the row-major shard, and not all of it."""
-    lens, full = inter[1], box[1]
-    k = next((j for j in range(len(full)) if lens[j] != full[j]), None)
-    return k is not None and all(full[j] == 1 for j in range(k)) and all(
-        lens[j] == full[j] for j in range(k + 1, len(full)))
+def _cached_plan(storage: Storage, meta: dict, requests: list[dict], skip: set[str], dedup: bool) -> list[_Read]:
+    """:func:`_plan`, reused while the same checkpoint (path and save id) is loaded into states of the same layout."""
+    global _last_plan
+    key = json.dumps([storage.url, meta["save_id"], dedup, sorted(skip), requests], separators=(",", ":"))
+    if _last_plan is None or _last_plan[0] != key:
+        _last_plan = (key, _plan(requests, meta, skip, dedup))
+    return _last_plan[1]
 
 
 def _rounds(reads: list[_Read]) -> list[list[_Read]]:
+    """Consecutive groups of reads whose shards, held in memory together, stay under ``_ROUND_BYTES``."""
     rounds, current, size = [], [], 0
     for read in reads:
-        if current and size + shard_nbytes(read.shard) > _ROUND_BYTES:
+        n = shard_nbytes(read.shard)
+        if current and size + n > _ROUND_BYTES:
             rounds.append(current)
             current, size = [], 0
         current.append(read)
-        size += shard_nbytes(read.shard)
+        size += n
     return rounds + ([current] if current else [])
 
 
@@ -225,10 +247,14 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     result, skip = _check(requests, meta, strict)
     if dedup_reads is None:
         dedup_reads = not (storage.local and len({req["host"] for req in requests}) == 1)
-    reads = _plan(requests, meta, skip, dedup_reads)
-    with ThreadPoolExecutor(io_threads(threads, comm)) as pool:
-        for batch in _rounds(reads):
-            _run_round(batch, comm, storage, pieces, saved, verify, pool)
+    reads = _cached_plan(storage, meta, requests, skip, dedup_reads)
+    workers = io_threads(threads, comm)
+    with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:  # one: this thread
+        if storage.local and not dedup_reads:
+            _read_local(reads, comm, storage, pieces, saved, verify, pool)
+        else:
+            for batch in _rounds(reads):
+                _run_round(batch, comm, storage, pieces, saved, verify, pool)
     for key, t in replaced.items():
         flat.tensor_setters[key](t)
     for key in flat.values:
@@ -239,37 +265,63 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     return result
 
 
+def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
+                pool: ThreadPoolExecutor | None) -> None:
+    """Every rank reads its own parts of the shards it needs from local files and checks its share of the chunks;
+    a damaged shard found by any rank fails the load on every rank (targets may then be partly filled)."""
+
+    def fill(rd: _Read) -> None:
+        dtype = tensor_dtype(saved[rd.key])
+        origin = rd.shard["offsets"]
+        parts = []
+        for _, j, inter in rd.needs:
+            piece = pieces[rd.key][j]
+            parts.append((tuple(o - so for o, so in zip(inter[0], origin)), piece.view[relative(inter, piece.offsets)]))
+        chunks = rd.chunks if verify else []
+        if rd.shard["codec"] == "raw":
+            read_parts(storage, rd.shard, dtype, parts, chunks)
+            return
+        data = read_shard(storage, rd.shard, dtype, verify=chunks)
+        for offs, target in parts:
+            target.copy_(data[tuple(slice(o, o + n) for o, n in zip(offs, target.shape))])
+
+    error = None
+    try:
+        for _ in (pool.map if pool else map)(fill, [rd for rd in reads if rd.reader == comm.rank]):
+            pass
+    except CorruptCheckpointError as exc:
+        error = str(exc)
+    finally:
+        release_buffer()
+    first = next((e for e in (comm.all_gather_json(error) if comm.world > 1 else [error]) if e), None)
+    if first:
+        raise CorruptCheckpointError(first)
+
+
 def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
-               pool: ThreadPoolExecutor) -> None:
+               pool: ThreadPoolExecutor | None) -> None:
     me = comm.rank
 
     def read(rd: _Read) -> tuple[torch.Tensor, bool, tuple[int, ...]]:
-        """(data, whether read straight into the target, global offsets of the data's first element)."""
+        """(the shard, whether read straight into the target, global offsets of its first element), its
+        ``chunks`` checked."""
         dtype = tensor_dtype(saved[rd.key])
-        box = rd.part or (tuple(rd.shard["offsets"]), tuple(rd.shard["lengths"]))
+        box = (tuple(rd.shard["offsets"]), tuple(rd.shard["lengths"]))
         direct = None
         for r, j, inter in rd.needs:
-            if r != me or inter != box or rd.shard["codec"] != "raw":
-                continue
-            piece = pieces[rd.key][j]
-            view = piece.view[relative(inter, piece.offsets)]
-            if view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous():
-                direct = view
-        if rd.part is None:
-            return read_shard(storage, rd.shard, dtype, verify=verify and rd.verify, out=direct), \
-                direct is not None, box[0]
-        out = direct if direct is not None else torch.empty(box[1], dtype=dtype)
-        strides = [_numel(rd.shard["lengths"][j + 1:]) for j in range(len(box[1]))]
-        skip = sum((o - so) * st for o, so, st in zip(box[0], rd.shard["offsets"], strides)) * dtype.itemsize
-        storage.read_into(rd.shard["file"], rd.shard["start"] + skip, memoryview(out.reshape(-1).view(
-            torch.uint8).numpy()))
-        return out, direct is not None, box[0]
+            if r == me and inter == box and rd.shard["codec"] == "raw":
+                piece = pieces[rd.key][j]
+                view = piece.view[relative(inter, piece.offsets)]
+                if view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous():
+                    direct = view
+        data = read_shard(storage, rd.shard, dtype, verify=rd.chunks if verify else False, out=direct)
+        return data, direct is not None, box[0]
 
     mine = [rd for rd in batch if rd.reader == me]
     data: dict[int, tuple[torch.Tensor, bool, tuple[int, ...]]] = {}
     error = None
     try:
-        for rd, got in zip(mine, pool.map(read, mine)):
+        for rd, got in zip(mine, (pool.map if pool else map)(read, mine)):
             data[id(rd)] = got
     except CorruptCheckpointError as exc:
         error = str(exc)

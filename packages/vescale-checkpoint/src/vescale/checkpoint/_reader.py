@@ -1,14 +1,14 @@
-"""Reading a checkpoint: its metadata, and one stored shard at a time (checked against its crc32)."""
+"""Reading a checkpoint: its metadata, and one stored shard at a time (checked against its chunk checksums)."""
 
 from __future__ import annotations
 
 import json
 import math
-import zlib
 from typing import Any
 
 import torch
 
+from vescale.checkpoint._crc import crc32
 from vescale.checkpoint._storage import Storage
 from vescale.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from vescale.checkpoint.format import METADATA_FILE, check_metadata, dtype_from_name
@@ -33,9 +33,37 @@ def shard_nbytes(shard: dict[str, Any]) -> int:
     return shard["end"] - shard["start"]
 
 
-def read_shard(storage: Storage, shard: dict[str, Any], dtype: torch.dtype, *, verify: bool = True,
+def chunk_spans(shard: dict[str, Any]) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` byte ranges, relative to the shard's start, that its checksums cover, in order."""
+    nbytes, chunk = shard_nbytes(shard), shard["chunk"]
+    return [(lo, min(lo + chunk, nbytes)) for lo in range(0, nbytes, chunk)] or [(0, 0)]
+
+
+def check_chunks(where: str, shard: dict[str, Any], stored: memoryview, which: list[int] | None = None) -> None:
+    """Check ``stored`` (all of the shard's stored bytes) against the checksums of chunks ``which`` (default all).
+
+    Raises :class:`CorruptCheckpointError` naming ``where`` and the damaged byte range.
+    """
+    crcs = shard["crc32"]
+    if not isinstance(shard.get("chunk"), int) or shard["chunk"] <= 0 or not isinstance(crcs, list):
+        raise CorruptCheckpointError(f"checkpoint data file {where}: shard at {shard['offsets']} has malformed "
+                                     f"checksums (chunk {shard.get('chunk')!r})")
+    spans = chunk_spans(shard)
+    if len(crcs) != len(spans):
+        raise CorruptCheckpointError(f"checkpoint data file {where}: shard at {shard['offsets']} has {len(crcs)} "
+                                     f"checksums for {len(spans)} chunks")
+    for i in range(len(spans)) if which is None else which:
+        lo, hi = spans[i]
+        if crc32(stored[lo:hi]) != crcs[i]:
+            raise CorruptCheckpointError(f"checkpoint data file {where} is damaged: checksum mismatch in bytes "
+                                         f"[{shard['start'] + lo}, {shard['start'] + hi})")
+
+
+def read_shard(storage: Storage, shard: dict[str, Any], dtype: torch.dtype, *, verify: bool | list[int] = True,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """The shard's box as a tensor of ``lengths``; read into ``out`` (contiguous CPU, right shape) when given.
+
+    ``verify``: check every checksum chunk (True), none (False), or the chunks listed.
 
     Raises :class:`CorruptCheckpointError` naming the file when it is missing, short, or fails its checksum.
     """
@@ -48,9 +76,8 @@ def read_shard(storage: Storage, shard: dict[str, Any], dtype: torch.dtype, *, v
                                      f"has {stored} stored bytes, expected {buf.numel()}")
     view = memoryview(buf.numpy())
     storage.read_into(shard["file"], shard["start"], view)
-    if verify and zlib.crc32(view) != shard["crc32"]:
-        raise CorruptCheckpointError(f"checkpoint data file {storage.where(shard['file'])} is damaged: checksum "
-                                     f"mismatch in bytes [{shard['start']}, {shard['end']})")
+    if verify:
+        check_chunks(storage.where(shard["file"]), shard, view, None if verify is True else verify)
     if raw_out:
         return out
     if shard["codec"] == "zstd":

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import re
 import threading
 import traceback
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +25,13 @@ import torch
 
 from vescale.checkpoint import _values
 from vescale.checkpoint._comm import Comm, io_threads
+from vescale.checkpoint._crc import crc32
 from vescale.checkpoint._layout import Piece, is_dtensor, local_pieces
 from vescale.checkpoint._state import Flat, flatten
 from vescale.checkpoint._storage import Storage
 from vescale.checkpoint.errors import CheckpointError
 from vescale.checkpoint.format import (
+    CHUNK_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
     METADATA_FILE,
@@ -42,26 +44,25 @@ __all__ = ["save", "SaveHandle"]
 
 _COMPRESS_MIN_BYTES = 4096
 _ALIGN = 64  # staging slots start on cache-line boundaries, so that every dtype view is aligned
+_COPY_SLICE = 16 << 20  # bytes per copy when several threads snapshot
 _DATA_FILE = re.compile(r"data-([0-9a-f]+)-r\d+\.safetensors")
 
 
 class SaveHandle:
     """A save in progress (async) or finished. ``wait()`` blocks until it is committed and re-raises its error."""
 
-    def __init__(self, path: str, thread: threading.Thread | None = None) -> None:
+    def __init__(self, path: str, finished: threading.Event | None = None) -> None:
         self.path = path
-        self._thread = thread
+        self._finished = finished
         self.error: BaseException | None = None
 
     def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        return self._finished is None or self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is committed on every rank; raise what the save raised."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"checkpoint save to {self.path} still running after {timeout} s")
+        if self._finished is not None and not self._finished.wait(timeout):
+            raise TimeoutError(f"checkpoint save to {self.path} still running after {timeout} s")
         if self.error is not None:
             raise self.error
 
@@ -84,6 +85,8 @@ class _Plan:
 
 
 _pending: SaveHandle | None = None
+_worker: threading.Thread | None = None
+_work: queue.SimpleQueue = queue.SimpleQueue()
 _cleanup: threading.Thread | None = None
 _cached: _Plan | None = None
 
@@ -178,27 +181,31 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
         signature = json.dumps([comm.world, desc], separators=(",", ":"))
     except Exception as exc:  # noqa: BLE001 - bad input: every rank must learn of it, none may hang
         error = exc
+    early: list[_Job] | None = None
+    if async_save and error is None and _cached is not None and _cached.signature == signature:
+        try:  # the cached plan holds here: snapshot now, while the ranks agree that it holds everywhere
+            early = _jobs(_cached, pieces, dtypes)
+            _snapshot(_cached, early, io_threads(threads, comm))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, none may hang
+            error = exc
     miss, nonce, failed = comm.all_reduce_max([int(_cached is None or _cached.signature != signature),
                                                random.getrandbits(62), int(error is not None)])
     if error is not None:
         raise error
     if failed:
         raise CheckpointError(f"save to {os.fspath(path)} aborted: another rank rejected its state (see its error)")
-    if miss:
+    if miss:  # some rank's structure changed: plan again (a snapshot taken early is for the old plan)
         mine, table = _assign_writers(comm.all_gather_json(desc), comm.rank)
         _cached = _Plan(signature, mine, table)
+        early = None
     plan = _cached
-    by_box = {(k, p.offsets): p for k, ps in pieces.items() for p in ps}
-    jobs = []
-    for key, offs in plan.mine:
-        piece = by_box[(key, tuple(offs))]
-        jobs.append(_Job(key, piece.offsets, piece.lengths, dtypes[key], piece.view))
+    jobs = early if early is not None else _jobs(plan, pieces, dtypes)
     save_id = f"{nonce:016x}"
     storage = Storage(path, storage_options)
     storage.makedirs()
-    if async_save:
-        _snapshot(plan, jobs)
-    else:
+    if async_save and early is None:
+        _snapshot(plan, jobs, io_threads(threads, comm))
+    elif not async_save:
         for job in jobs:
             if job.source.device.type != "cpu" or not job.source.is_contiguous():
                 job.source = job.source.to("cpu", copy=False).contiguous()
@@ -208,11 +215,39 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
         _finish(*args)
         handle.wait()
         return handle
-    thread = threading.Thread(target=_finish, args=args, name="vescale-checkpoint-save", daemon=True)
-    handle._thread = thread
+    handle._finished = threading.Event()
     _pending = handle
-    thread.start()
+    _in_background(_finish, args, handle._finished)
     return handle
+
+
+def _in_background(fn, args: tuple, finished: threading.Event) -> None:
+    """Run ``fn(*args)`` on this process's save thread, then set ``finished``. The thread is started once and kept:
+    starting one per save would make ``save`` wait until the new thread first runs, which on a busy host is long."""
+    global _worker
+    if _worker is None or not _worker.is_alive():
+        _worker = threading.Thread(target=_serve, name="vescale-checkpoint-save", daemon=True)
+        _worker.start()
+    _work.put((fn, args, finished))
+
+
+def _serve() -> None:
+    while True:
+        fn, args, finished = _work.get()
+        try:
+            fn(*args)  # _finish keeps its own errors on the handle
+        finally:
+            finished.set()
+
+
+def _jobs(plan: _Plan, pieces: dict[str, list[Piece]], dtypes: dict[str, torch.dtype]) -> list[_Job]:
+    """The boxes ``plan`` has this rank write, as jobs reading from the local pieces."""
+    by_box = {(k, p.offsets): p for k, ps in pieces.items() for p in ps}
+    jobs = []
+    for key, offs in plan.mine:
+        piece = by_box[(key, tuple(offs))]
+        jobs.append(_Job(key, piece.offsets, piece.lengths, dtypes[key], piece.view))
+    return jobs
 
 
 def wait_pending() -> None:
@@ -228,29 +263,45 @@ def wait_pending() -> None:
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
-    """A Partial DTensor is reduced to Replicate so that what is saved is the tensor's value."""
-    if is_dtensor(t) and any(p.is_partial() for p in t.placements):
-        from torch.distributed.tensor import Replicate
+    """A Partial DTensor is reduced to Replicate so that what is saved is the tensor's value. Other DTensors are
+    kept as they are (detaching one costs a dispatch; :func:`local_pieces` detaches the local tensor instead)."""
+    if is_dtensor(t):
+        if any(p.is_partial() for p in t.placements):
+            from torch.distributed.tensor import Replicate
 
-        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+            return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements]).detach()
+        return t
     return t.detach()
 
 
-def _snapshot(plan: _Plan, jobs: list[_Job]) -> None:
-    """Copy the boxes this rank writes into the plan's reused host buffer (pinned when on GPU)."""
+def _snapshot(plan: _Plan, jobs: list[_Job], threads: int = 1) -> None:
+    """Copy the boxes this rank writes into the plan's reused host buffer (pinned when on GPU), with ``threads``
+    threads copying slices of at most ``_COPY_SLICE`` bytes when there are several."""
     sizes = [-(-_numel(j.lengths) * j.source.element_size() // _ALIGN) * _ALIGN for j in jobs]
     total = sum(sizes)
-    if plan.staging is None or plan.staging.numel() != total:
-        pin = torch.cuda.is_available() and any(j.source.is_cuda for j in jobs)
-        plan.staging = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    on_gpu = torch.cuda.is_available() and any(j.source.is_cuda for j in jobs)
+    if plan.staging is None or plan.staging.numel() != total or (on_gpu and not plan.staging.is_pinned()):
+        plan.staging = torch.empty(total, dtype=torch.uint8, pin_memory=on_gpu)
+    copies = []
     offset = 0
     for job, size in zip(jobs, sizes):
         nbytes = _numel(job.lengths) * job.source.element_size()
         dst = plan.staging[offset:offset + nbytes].view(job.dtype).view(job.lengths)
-        dst.copy_(job.source, non_blocking=True)
+        if threads > 1 and job.source.is_contiguous() and nbytes > _COPY_SLICE and not job.source.is_cuda:
+            flat_dst, flat_src = dst.reshape(-1), job.source.reshape(-1)
+            step = max(1, _COPY_SLICE // job.source.element_size())
+            copies += [(flat_dst[lo:lo + step], flat_src[lo:lo + step]) for lo in range(0, flat_dst.numel(), step)]
+        else:
+            copies.append((dst, job.source))
         job.source = dst
         offset += size
-    if torch.cuda.is_available() and any(j.source.is_cuda for j in jobs):
+    if threads > 1 and len(copies) > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda c: c[0].copy_(c[1], non_blocking=True), copies))
+    else:
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+    if on_gpu:  # the copies to pinned memory are asynchronous: done before the writer reads them
         torch.cuda.synchronize()
 
 
@@ -276,10 +327,25 @@ def _write(storage: Storage, name: str, jobs: list[_Job], compress: bool, pool: 
         else:
             entries.append((tag, torch.uint8, [raw.nbytes], raw.nbytes))
     header, starts = safetensors_header(entries)
-    crcs = list(pool.map(zlib.crc32, raws))
-    storage.write_file(name, header, raws, pool)
+    failure: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            storage.write_file(name, header, raws, pool)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, on the saving thread
+            failure.append(exc)
+
+    writing = threading.Thread(target=write, name="vescale-checkpoint-write")
+    writing.start()  # the checksums are computed here while the pool writes and the disk syncs
+    try:
+        crcs = [[crc32(raw[lo:lo + CHUNK_BYTES]) for lo in range(0, raw.nbytes, CHUNK_BYTES)] or [crc32(b"")]
+                for raw in raws]
+    finally:
+        writing.join()
+    if failure:
+        raise failure[0]
     return [{"key": j.key, "offsets": list(j.offsets), "lengths": list(j.lengths), "file": name, "start": s,
-             "end": s + raw.nbytes, "codec": codec, "crc32": crc}
+             "end": s + raw.nbytes, "codec": codec, "chunk": CHUNK_BYTES, "crc32": crc}
             for j, raw, codec, s, crc in zip(jobs, raws, codecs, starts, crcs)]
 
 

@@ -12,6 +12,12 @@ import math
 from typing import Any
 
 _TAGS = ("__tuple__", "__dict__", "__float__")
+_PLAIN = frozenset({str, int, bool, type(None)})  # exact types that encode as themselves
+
+
+def _all_plain(items) -> bool:
+    """Whether every item encodes as itself (lists of parameter ids, betas ...): no per-item recursion needed."""
+    return all(type(v) in _PLAIN or (type(v) is float and math.isfinite(v)) for v in items)
 
 
 def encode(value: Any, key: str) -> Any:
@@ -23,9 +29,10 @@ def encode(value: Any, key: str) -> Any:
     if isinstance(value, float):
         return float(value) if math.isfinite(value) else {"__float__": repr(float(value))}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, f"{key}[{i}]") for i, v in enumerate(value)]}
+        return {"__tuple__": list(value) if _all_plain(value) else [encode(v, f"{key}[{i}]")
+                                                                    for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return list(value) if _all_plain(value) else [encode(v, f"{key}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not any(k in _TAGS for k in value):
             return {k: encode(v, f"{key}.{k}") for k, v in value.items()}

@@ -1,4 +1,4 @@
-"""The on-disk format, version 1: a directory of safetensors data files plus one JSON metadata file.
+"""The on-disk format, version 2: a directory of safetensors data files plus one JSON metadata file.
 
 A checkpoint at ``PATH`` is::
 
@@ -7,19 +7,24 @@ A checkpoint at ``PATH`` is::
 
 ``metadata.json``::
 
-    {"format": "vescale-checkpoint", "version": 1, "save_id": "<hex>", "world_size": 4,
+    {"format": "vescale-checkpoint", "version": 2, "save_id": "<hex>", "world_size": 4,
      "files":   {"data-<id>-r00000.safetensors": {"size": <bytes>}, ...},
      "tensors": {"<key>": {"dtype": "float32", "shape": [8, 16],
                            "shards": [{"offsets": [0, 0], "lengths": [4, 16], "file": "data-...",
                                        "start": <byte>, "end": <byte>, "codec": "raw" | "zstd",
-                                       "crc32": <int>}, ...]}, ...},
+                                       "chunk": <bytes>, "crc32": [<int>, ...]}, ...]}, ...},
      "values":  {"<key>": <JSON value, tagged as in vescale.checkpoint._values>, ...}}
 
 Each shard is a box of the global tensor (``offsets``/``lengths`` per dimension, row-major bytes) stored once, in
 the data file's byte range ``[start, end)``; the shards of a tensor tile it exactly. ``codec == "zstd"`` stores the
-box's bytes zstd-compressed (as a ``U8`` safetensors entry). ``crc32`` is over the stored bytes. Keys are the dotted
+box's bytes zstd-compressed (as a ``U8`` safetensors entry). ``crc32`` lists the checksums of the stored bytes
+cut into ``chunk``-byte pieces (the last one shorter), so that a reader can check just the chunks it reads and the
+checking of one shard can be spread over several readers. Keys are the dotted
 paths of the saved state (``model.layers.0.w.weight``, ``optim.state.layers.0.w.exp_avg``, ``step``). Nothing is
 pickled: reading a checkpoint never runs code.
+
+Version 1 (before chunked checksums) stored one ``crc32`` integer per shard over all its stored bytes; it is read
+as a version-2 shard with a single chunk (:func:`check_metadata` migrates it in memory).
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import torch
 
 from vescale.checkpoint.errors import CorruptCheckpointError
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "data_file_name", "dtype_name", "dtype_from_name",
-           "safetensors_header"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "CHUNK_BYTES", "METADATA_FILE", "data_file_name",
+           "dtype_name", "dtype_from_name", "safetensors_header"]
 
 FORMAT_NAME = "vescale-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+CHUNK_BYTES = 1 << 20  # checksum granularity of the shards written now
 METADATA_FILE = "metadata.json"
 
 _DTYPES: dict[torch.dtype, tuple[str, str]] = {  # torch dtype -> (metadata name, safetensors name)
@@ -91,10 +98,24 @@ def check_metadata(meta: Any, where: str) -> dict[str, Any]:
     """Validate the top level of a parsed ``metadata.json``; raise :class:`CorruptCheckpointError` naming ``where``."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where} is not vescale-checkpoint metadata")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise CorruptCheckpointError(f"{where} has format version {meta.get('version')}; this vescale.checkpoint "
-                                     f"reads version {FORMAT_VERSION}")
+                                     f"reads versions {', '.join(map(str, READABLE_VERSIONS))}")
     for field in ("files", "tensors", "values"):
         if not isinstance(meta.get(field), dict):
             raise CorruptCheckpointError(f"{where} lacks the {field!r} table")
+    if meta["version"] == 1:
+        _migrate_v1(meta, where)
     return meta
+
+
+def _migrate_v1(meta: dict[str, Any], where: str) -> None:
+    """Version 1 -> 2 in place: a shard's single whole-shard crc32 becomes a one-chunk checksum list (``version``
+    keeps saying what was stored)."""
+    for key, info in meta["tensors"].items():
+        for shard in info.get("shards", ()):
+            if not isinstance(shard.get("crc32"), int):
+                raise CorruptCheckpointError(f"{where}: a shard of {key!r} lacks its crc32")
+            shard["crc32"] = [shard["crc32"]]
+            shard["chunk"] = max(1, shard["end"] - shard["start"])
+
