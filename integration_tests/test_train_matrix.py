@@ -1,8 +1,10 @@
-"""The main job over the mesh matrix: loss curves equal the single-device run; resume on another mesh continues it.
+"""The main job over the mesh matrix: loss curves equal the single-device run; resume on another mesh continues it;
+deferred init gives every mesh bitwise the single-device init and materialises only each rank's part.
 
 ``tools/train.py`` is run in-process on pooled ranks (its ``train`` function, not a subprocess), on the tiny model,
 for a few steps. The reference is the same job on one rank. fp32 throughout; the parallel runs reduce in a different
-order than one device, so curves are compared with a tolerance (stated per assertion), not bitwise.
+order than one device, so curves are compared with a tolerance (stated per assertion), not bitwise; the init is
+compared bitwise.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,8 +40,8 @@ MESHES = [
 ]
 
 
-def _cfg(mesh: str, out: Path, **kw) -> train.TrainConfig:
-    cfg = train.TrainConfig(mesh=mesh, model="gpt-tiny", steps=STEPS, batch_size=8, seq_len=16, lr=3e-3, warmup=2,
+def _cfg(mesh: str, out: Path, model: str = "gpt-tiny", **kw) -> train.TrainConfig:
+    cfg = train.TrainConfig(mesh=mesh, model=model, steps=STEPS, batch_size=8, seq_len=16, lr=3e-3, warmup=2,
                             out=str(out), trace_steps=0, quiet=True, microbatches=4, **kw)
     cfg.dims = train.parse_mesh_spec(mesh)
     return cfg
@@ -55,19 +58,76 @@ def reference(tmp_path_factory):
     from vescale.core.testing import run_on_ranks
 
     out = tmp_path_factory.mktemp("ref")
-    run_on_ranks(train._rank_main, 1, _cfg("dp=1", out))
+    run_on_ranks(train.train, 1, _cfg("dp=1", out))
     return _losses(out)
 
 
 @pytest.mark.parametrize("world_size,mesh", MESHES, ids=[f"ws{w}-{m.replace(',', 'x').replace('=', '')}"
                                                           for w, m in MESHES])
 def test_loss_curve_matches_single_device(world_size, mesh, reference, tmp_path, ranks):
-    ranks(train._rank_main, world_size, _cfg(mesh, tmp_path))
+    ranks(train.train, world_size, _cfg(mesh, tmp_path))
     got = _losses(tmp_path)
     assert len(got) == STEPS
     assert got[-1] < got[0]  # it learns
     # fp32, different reduction order than one device: rtol 1e-4 per step.
     assert got == pytest.approx(reference, rel=1e-4), f"{mesh}: {got} vs single device {reference}"
+
+
+def _init_state(cfg: train.TrainConfig) -> tuple[dict, int]:
+    """Build the trainer of ``cfg`` on this rank; return the full value of every tensor it holds, and its init bytes."""
+    from torch.distributed.tensor import DTensor
+
+    trainer = train.Trainer(cfg, train.init_mesh(cfg.dims))
+    held = {}
+    for module in trainer.trained if trainer.engine is not None else [trainer.model]:
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            held[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return held, trainer.init_bytes
+
+
+@pytest.fixture(scope="module")
+def init_reference(tmp_path_factory):
+    """``(model, init) -> (every tensor of the 1-rank init, whole; its bytes)``, each computed once."""
+    from vescale.core.testing import run_on_ranks
+
+    cache: dict = {}
+
+    def get(model: str, init: str) -> tuple[dict, int]:
+        if (model, init) not in cache:
+            cfg = _cfg("dp=1", tmp_path_factory.mktemp("init"), model=model, init=init)
+            cache[model, init] = run_on_ranks(_init_state, 1, cfg)[0]
+        return cache[model, init]
+
+    return get
+
+
+# (world size, mesh, model, init, the most a rank may hold as a fraction of the whole model's bytes).
+INITS = [
+    (2, "tp=2", "gpt-tiny", "deferred", 0.51),  # every weight but the (replicated) norms sharded
+    (2, "pp=2", "gpt-tiny", "deferred", 0.55),  # a stage: half the layers + embedding or norm/head; rotary buffer
+    (4, "pp=2,tp=2", "gpt-tiny", "deferred", 0.35),  # a stage's tp shard; embeddings stay replicated in stages
+    (4, "pp=2,tp=2", "gpt2", "deferred", 0.35),  # Hugging Face GPT-2: Conv1D weights, learned positions
+    (2, "dp=2", "gpt-tiny", "deferred", 1.0),  # each replica computes half, then all-gathers the whole
+    (2, "tp=2", "gpt-tiny", "eager", 1.0),  # the old way: every rank builds (and counts) the whole model
+]
+
+
+@pytest.mark.parametrize("world_size,mesh,model,init,most", INITS,
+                         ids=[f"{m}-{i}-ws{w}-{s.replace(',', 'x').replace('=', '')}" for w, s, m, i, _ in INITS])
+def test_init_on_a_mesh_is_bitwise_the_single_device_init(world_size, mesh, model, init, most, init_reference,
+                                                          tmp_path, ranks):
+    want, whole = init_reference(model, init)
+    got = ranks(_init_state, world_size, _cfg(mesh, tmp_path, model=model, init=init))
+    seen = set()
+    for rank, (held, nbytes) in enumerate(got):
+        assert held, f"rank {rank} holds nothing"
+        for name, value in held.items():
+            assert name in want, f"{mesh} rank {rank}: {name} is not a tensor of the 1-rank model"
+            # Bitwise: deferred init replays the same counter-RNG draws on every mesh; eager distributes rank 0's.
+            assert torch.equal(value, want[name]), f"{mesh} rank {rank}: {name} differs from the 1-rank init"
+        seen |= set(held)
+        assert nbytes <= most * whole, f"{mesh} rank {rank} built {nbytes} bytes, more than {most} x {whole}"
+    assert seen == set(want), f"{mesh}: tensors held by no rank: {sorted(set(want) - seen)}"
 
 
 RESHARDS = [(2, "dp=2", 2, "tp=2"), (4, "dp=2,tp=2", 2, "pp=2"), (2, "tp=2", 1, "dp=1")]
@@ -79,11 +139,11 @@ RESHARDS = [(2, "dp=2", 2, "tp=2"), (4, "dp=2,tp=2", 2, "pp=2"), (2, "tp=2", 1, 
 def test_resume_on_another_mesh_continues_the_curve(ws_a, mesh_a, ws_b, mesh_b, reference, tmp_path, ranks):
     half = STEPS // 2
     first = tmp_path / "a"
-    ranks(train._rank_main, ws_a, replace(_cfg(mesh_a, first), steps=STEPS, ckpt_every=half))
+    ranks(train.train, ws_a, replace(_cfg(mesh_a, first), steps=STEPS, ckpt_every=half))
     ckpt = first / "ckpt" / f"step_{half}"
     assert ckpt.is_dir()
     resumed = tmp_path / "b"
-    ranks(train._rank_main, ws_b, replace(_cfg(mesh_b, resumed), resume=str(ckpt)))
+    ranks(train.train, ws_b, replace(_cfg(mesh_b, resumed), resume=str(ckpt)))
     got = _losses(resumed)
     assert len(got) == STEPS - half
     # The uninterrupted single-device curve is the reference for both meshes (tested above); rtol 1e-4.

@@ -9,8 +9,16 @@ sparse Markov chain, so the loss falls visibly from ln(vocab) towards the chain'
 same global batch of a step from ``(seed, step)`` and takes its data-parallel slice, so the loss curve is the
 single-device curve whatever the mesh, and a run resumed from a checkpoint continues it exactly.
 
+The model is built with deferred init by default (``--init deferred``): recorded on the meta device, then each rank
+materialises only what it holds - its tensor-parallel shards, its pipeline stage (pp x tp: the stage's shards), or
+the whole model for dp/ZeRO and one rank (each dp replica computing 1/dp of it, then all-gathering) - with
+vescale's counter RNG, so every mesh starts from bitwise the 1-rank init. That RNG is much slower than torch's
+(figures in the README). ``--init eager`` is the old way: every rank builds the whole model from torch's RNG, then
+shards it.
+
 Writes into ``--out``: ``metrics.jsonl`` (one line a step), ``loss.png``, ``timeline.json`` (+ ``.png``: the nD
-timeline of a few traced steps), ``summary.json``, and checkpoints under ``ckpt/step_N`` every ``--ckpt-every`` steps.
+timeline of a few traced steps), ``summary.json`` (with each rank's init seconds and MB built), and checkpoints under
+``ckpt/step_N`` every ``--ckpt-every`` steps.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ HF_MODELS = {
         attn_pdrop=0.0)),
 }
 MODELS = sorted([*MODEL_SIZES, *HF_MODELS])
+INITS = ("deferred", "eager")
 
 
 @dataclass
@@ -88,6 +97,127 @@ def build_model(name: str) -> torch.nn.Module:
     return getattr(transformers, model_cls)(config)
 
 
+def init_model(name: str, seed: int, init: str, device: torch.device) -> torch.nn.Module:
+    """Model ``name`` from ``seed``: built whole on ``device`` (``eager``), or only recorded on meta (``deferred``).
+
+    ``deferred`` (the default) runs ``build_model`` under ``vescale.dtensor.deferred_init``: no parameter memory, and
+    random init drawn from vescale's counter RNG, so that whatever part of the model a rank later materialises (a
+    shard, a pipeline stage, all of it) is bitwise the slice of the single-device model. ``eager`` is the torch-RNG
+    build of every rank (a different, equally valid init; same on every mesh).
+    """
+    from vescale.dtensor import deferred_init, random
+
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    torch.manual_seed(seed)
+    if init == "eager":
+        return build_model(name).to(device)
+    random.manual_seed(seed)
+    return deferred_init(build_model, name)
+
+
+def state_bytes(modules: list[torch.nn.Module]) -> int:
+    """Bytes of the distinct parameters and buffers of ``modules`` as this rank holds them (DTensors: local shards)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            seen[id(t)] = t.to_local() if isinstance(t, DTensor) else t
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def materialize_replicas(model: torch.nn.Module, dp_mesh, device: torch.device) -> None:
+    """Materialise the whole deferred ``model`` on every rank of ``dp_mesh``, each rank computing 1/dp of it.
+
+    The counter RNG is slow, so rather than every data-parallel replica replaying the whole init, each replays
+    its ``Shard(0)`` slice of every parameter whose first dim divides by dp (bitwise the slice of the single-device
+    value) and an all-gather over ``dp_mesh`` assembles the whole; the rest (norms, buffers) is computed whole.
+    Tied parameters stay tied. Issues one all-gather per sharded parameter.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    from vescale.dtensor import materialize
+
+    dp = dp_mesh.size()
+    split = {fqn: [Shard(0)] for fqn, p in model.named_parameters() if p.dim() and p.shape[0] % dp == 0}
+    materialize(model, dp_mesh, split, device=device)
+    whole: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if isinstance(p, DTensor):
+                if id(p) not in whole:
+                    whole[id(p)] = torch.nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                module._parameters[name] = whole[id(p)]
+
+
+def pipeline_stages(model: torch.nn.Module, pp: int, microbatch: int, seq_len: int, device: torch.device,
+                    mine: list[int], tp_mesh=None, plan: dict | None = None) -> list[torch.nn.Module | None]:
+    """Split ``model`` into ``pp`` stages; materialise (sharded over ``tp_mesh`` by ``plan``) only the stages ``mine``.
+
+    Returns every stage index, ``None`` for the stages of other pp ranks. An eager model is captured as it is and its
+    stages share its (already real) tensors. A deferred model is captured through a CPU shadow of uninitialised
+    tensors (``to_empty``: address space, no page is ever written, so no resident memory) rather than on the meta
+    device, because model code branches on ``device.type`` (Mixtral's ``histc``) and must trace the CPU path; each
+    stage of this rank then swaps in the model's own meta tensors by their original FQNs and materialises them,
+    bitwise the single-device values. On a GPU the captured graph's CPU factory ops are moved to ``device``.
+    """
+    import copy
+
+    from vescale.dtensor import is_deferred, materialize
+    from vescale.parallel import parallelize_stage
+    from vescale.pipe import capture, split
+
+    deferred = is_deferred(model)
+    traced = copy.deepcopy(model).to_empty(device="cpu") if deferred else model
+    example = (torch.zeros(microbatch, seq_len, dtype=torch.long, device="cpu" if deferred else device),)
+    exported = capture(traced, example)
+    if deferred and device.type != "cpu":
+        _move_graph_device(exported.graph, torch.device("cpu"), device)
+    stages: list[torch.nn.Module | None] = list(split(traced, num_stages=pp, example_inputs=example,
+                                                      exported=exported))
+    embeddings = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+    for i, stage in enumerate(stages):
+        if i not in mine:
+            stages[i] = None
+            continue
+        if deferred:
+            _adopt_tensors(stage, model)
+            # Lend the stage the model's init record (what materialize reads) to replay its tensors' init.
+            stage._vescale_deferred = model._vescale_deferred
+        if tp_mesh is not None:  # parallelize_module materialises a deferred stage straight into shards
+            parallelize_stage(stage, tp_mesh, plan, embeddings)
+        elif deferred:
+            materialize(stage, device=device)
+        stage.to(device)  # tensors the capture lifted out of forward (constants) are on the CPU
+    return stages
+
+
+def _adopt_tensors(stage: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Register in ``stage`` the parameter or buffer of ``model`` with the same FQN in place of each of its own."""
+    params, buffers = dict(model.named_parameters(remove_duplicate=False)), dict(model.named_buffers())
+    for fqn, _ in list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers()):
+        owner_name, _, leaf = fqn.rpartition(".")
+        owner = stage.get_submodule(owner_name)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = params[fqn]
+        elif fqn in buffers:  # the others are constants the capture lifted out of forward
+            owner._buffers[leaf] = buffers[fqn]
+
+
+def _move_graph_device(graph: torch.fx.Graph, old: torch.device, new: torch.device) -> None:
+    """Rewrite every ``device=old`` argument of ``graph``'s nodes (factories, ``to``) to ``new``, in place."""
+    from torch.utils import _pytree as pytree
+
+    def swap(value):
+        return new if isinstance(value, torch.device) and value == old else value
+
+    for node in graph.nodes:
+        args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
+
+
 def plan_for(name: str, tp_mesh, sequence_parallel: bool) -> dict:
     """The hand-written Megatron-style plan of ``vescale.parallel.plans`` for model family ``name``."""
     from vescale.parallel import plans
@@ -117,6 +247,7 @@ class TrainConfig:
     microbatches: int = 0  # 0: 2 x pp
     sequence_parallel: bool = False
     compile: bool = False  # torch.compile the blocks (vescale.parallel.compile_parallel) after parallelization
+    init: str = "deferred"  # deferred: each rank materialises only what it holds; eager: every rank builds it all
     seed: int = 1234
     out: str = "runs/latest"
     ckpt_every: int = 0
@@ -171,11 +302,11 @@ class Trainer:
     """The model as this rank holds it, and one training step over a global batch."""
 
     def __init__(self, cfg: TrainConfig, mesh) -> None:
+        from vescale.dtensor import is_deferred, materialize
         from vescale.parallel import (
             DistributedDataParallel,
             DistributedOptimizer,
             parallelize_module,
-            parallelize_stage,
         )
 
         self.cfg, self.mesh = cfg, mesh
@@ -183,41 +314,52 @@ class Trainer:
         self.dp_rank = sub_mesh(mesh, "dp").get_local_rank() if self.dp > 1 else 0
         self.spec = model_spec(cfg.model)
         check_fits(cfg, self.spec, self.pp, self.dp, self.tp)
-        torch.manual_seed(cfg.seed)  # every rank builds the same full model, the single-device reference init
         # NCCL ranks compute on their GPU (init_distributed set the current device); gloo ranks on the CPU.
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else \
             torch.device("cpu")
-        model = build_model(cfg.model).to(self.device)
+        t0 = time.perf_counter()
+        model = init_model(cfg.model, cfg.seed, cfg.init, self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
+        full_bytes = state_bytes([model])  # the whole model's, whether built (eager) or only recorded (deferred)
         tp_mesh = sub_mesh(mesh, "tp") if self.tp > 1 else None
-        if tp_mesh is not None and self.pp == 1:
-            model = parallelize_module(model, tp_mesh, plan_for(cfg.model, tp_mesh, cfg.sequence_parallel))
-        if cfg.compile and self.pp == 1:
+        stages, schedule = None, None
+        if self.pp > 1:
+            from vescale.pipe import build_schedule
+
+            schedule = build_schedule(cfg.schedule, self.pp, self.microbatches, self.pp)
+            stages = pipeline_stages(model, self.pp, cfg.batch_size // self.dp // self.microbatches, cfg.seq_len,
+                                     self.device, schedule.stages_of(sub_mesh(mesh, "pp").get_local_rank()), tp_mesh,
+                                     plan_for(cfg.model, tp_mesh, False) if tp_mesh is not None else None)
+            local = [s for s in stages if s is not None]
+        else:
+            if tp_mesh is not None:  # a deferred model is materialised straight into this rank's shards
+                model = parallelize_module(model, tp_mesh, plan_for(cfg.model, tp_mesh, cfg.sequence_parallel))
+            elif is_deferred(model) and self.dp > 1:
+                materialize_replicas(model, sub_mesh(mesh, "dp"), self.device)
+            elif is_deferred(model):
+                materialize(model, device=self.device)
+            local = [model]
+        #: Seconds and bytes (parameters + buffers) of building the model on this rank: eager builds it all.
+        self.init_s = time.perf_counter() - t0
+        self.init_bytes = full_bytes if cfg.init == "eager" else state_bytes(local)
+        if cfg.compile and stages is None:
             from vescale.parallel import compile_parallel
 
             compile_parallel(model)
         self.model = model
         self.engine = None
-        if self.pp > 1:
-            from vescale.pipe import PipeEngine, split
+        if stages is not None:
+            from vescale.pipe import PipeEngine
 
-            mb = cfg.batch_size // self.dp // self.microbatches
-            stages = split(model, num_stages=self.pp, example_inputs=(torch.zeros(mb, cfg.seq_len, dtype=torch.long,
-                                                                              device=self.device),))
-            if tp_mesh is not None:
-                embeddings = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
-                plan = plan_for(cfg.model, tp_mesh, False)
-                stages = [parallelize_stage(stage, tp_mesh, plan, embeddings) for stage in stages]
             if cfg.compile:
                 from vescale.parallel import compile_forward
 
-                stages = [compile_forward(stage) for stage in stages]
-            self.engine = PipeEngine(stages, sub_mesh(mesh, "pp"), schedule=cfg.schedule,
+                stages = [compile_forward(stage) if stage is not None else None for stage in stages]
+            self.engine = PipeEngine(stages, sub_mesh(mesh, "pp"), schedule=schedule,
                                      num_microbatches=self.microbatches, loss_fn=language_model_loss,
                                      dp_group=sub_mesh(mesh, "dp").get_group() if self.dp > 1 else None)
             self.trained = [stage for stage in self.engine.stages.values()]
-            params = self.engine.parameters()
-            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+            self.optimizer = torch.optim.AdamW(self.engine.parameters(), lr=cfg.lr, weight_decay=0.0)
         elif self.dp > 1 or cfg.zero:
             self.ddp = DistributedDataParallel(model, sub_mesh(mesh, "dp"), zero_stage=2 if cfg.zero == 2 else 0)
             self.trained = [self.ddp]
@@ -296,6 +438,8 @@ def check_fits(cfg: TrainConfig, spec: ModelSpec, pp: int, dp: int, tp: int) -> 
         problems.append(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len={spec.max_seq_len}")
     if cfg.zero and pp > 1:
         problems.append("--zero with pp > 1 is not supported yet (ZeRO wraps a whole model, not pipeline stages)")
+    if cfg.init not in INITS:
+        problems.append(f"--init {cfg.init!r} is not one of {list(INITS)}")
     if problems:
         raise SystemExit("train.py: the mesh does not fit the model or batch:\n  " + "\n  ".join(problems))
 
@@ -413,6 +557,10 @@ def train(cfg: TrainConfig) -> dict:
     peak = torch.tensor([_peak_memory_mb()], dtype=torch.float64)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
+    init = torch.tensor([[trainer.init_s, trainer.init_bytes]], dtype=torch.float64)
+    inits = [torch.zeros_like(init) for _ in range(dist.get_world_size())]
+    dist.all_gather(inits, init)
+    inits = torch.cat(inits)
     if rank != 0:
         return {}
     metrics_file.close()
@@ -421,7 +569,9 @@ def train(cfg: TrainConfig) -> dict:
         "mesh": cfg.dims, "model": cfg.model, "parameters": trainer.num_params, "steps": cfg.steps,
         "first_loss": metrics[0]["loss"] if metrics else None, "final_loss": metrics[-1]["loss"] if metrics else None,
         "corpus_entropy": corpus.entropy(), "tokens_per_s": tokens_per_step * steps_run / wall, "wall_s": wall,
-        "peak_memory_mb_per_rank": [round(float(p), 1) for p in peaks],
+        "peak_memory_mb_per_rank": [round(float(p), 1) for p in peaks], "init": cfg.init,
+        "init_s_per_rank": [round(float(t), 3) for t in inits[:, 0]],
+        "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in inits[:, 1]],
         "communication_share_traced_steps": (comm_s / traced_s) if traced_s else None,
     }
     if metrics:
@@ -438,10 +588,6 @@ def _comm_time(trace: dict) -> tuple[float, float]:
     comm = sum(e["dur"] for e in events if e.get("cat") in ("collective", "p2p")) / 1e6
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e6
     return comm, span
-
-
-def _rank_main(cfg: TrainConfig) -> dict:
-    return train(cfg)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -461,6 +607,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="per step (pp > 1); 0: 2 x pp")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor)")
+    p.add_argument("--init", default=d.init, choices=INITS,
+                   help="deferred: meta build, each rank materialises only its shards/stage (vescale counter RNG);\n"
+                        "eager: every rank builds the whole model from torch's RNG, then shards it")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=d.out)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="async checkpoint every N steps (0: off)")
@@ -492,7 +641,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary = train(cfg)
         dist.destroy_process_group()
     else:
-        summary = spawn(_rank_main, world, cfg)
+        summary = spawn(train, world, cfg)
     if summary and not cfg.quiet:
         print(json.dumps({k: v for k, v in summary.items() if k != "peak_memory_mb_per_rank"}, default=str))
         print(f"peak memory per rank (MB): {summary['peak_memory_mb_per_rank']}; outputs in {cfg.out}/")

@@ -6,12 +6,16 @@ Reference: the unmodified model trained on one process over the whole global bat
 
 from __future__ import annotations
 
-import contextlib
-import functools
-
 import pytest
 
 from vescale.core.testing import multi_rank
+from vescale.core.testing.reference import (
+    data_parallel_training,
+    one_thread,
+    progression_batch,
+    reference_training,
+    single_threaded,
+)
 
 STEPS = 20
 BATCH, SEQ = 8, 16
@@ -34,103 +38,28 @@ def _model(seed: int = 0):
 
 
 def _batch(step: int):
-    import torch
-
     # Arithmetic progressions mod 64 with a random start and stride: learnable, so the loss really falls.
-    g = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, 64, (BATCH, 1), generator=g)
-    stride = torch.randint(1, 4, (BATCH, 1), generator=g)
-    tokens = (start + stride * torch.arange(SEQ + 1)) % 64
-    return tokens[:, :-1], tokens[:, 1:]
+    return progression_batch(1000 + step, BATCH, SEQ, 64)
 
 
-def _reference(steps: int = STEPS, clip: float | None = None, dtype=None):
-    """Single-device AdamW training: (losses, grad norms, final state dict)."""
+def _adamw(params):
     import torch
 
-    from vescale.core.testing.models import cross_entropy
-
-    model = _model()
-    if dtype is not None:
-        model = model.to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses, norms = [], []
-    for step in range(steps):
-        x, y = _batch(step)
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def _train(model, opt, dp_rank: int, dp: int, steps: int = STEPS, accum: int = 1, zero_grad=None, autocast=None):
+def _train(model, opt, dp_rank: int, dp: int, steps: int = STEPS, accum: int = 1, after_step=None, autocast=None):
     """Train on this dp rank's rows of each global batch; return the dp-mean loss per step."""
-    import torch
-    import torch.distributed as dist
-
-    from vescale.core.testing.models import cross_entropy
-
-    losses = []
-    rows = BATCH // dp
-    for step in range(steps):
-        x, y = _batch(step)
-        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
-        total = torch.zeros(())
-        micro = rows // accum
-        for i in range(accum):
-            xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
-            ctx = model.no_sync() if i < accum - 1 else _nullcontext()
-            amp = torch.autocast("cpu", dtype=autocast) if autocast is not None else _nullcontext()
-            with ctx:
-                with amp:
-                    logits = model(xs)
-                loss = cross_entropy(logits.float(), ys) / accum
-                loss.backward()
-            total += loss.detach()
-        opt.step()
-        (zero_grad or opt.zero_grad)()
-        dist.all_reduce(total, group=model.dp_group)
-        losses.append(total.item() / dp)
-    return losses
+    return data_parallel_training(model, opt, _batch, steps, dp_rank=dp_rank, dp=dp, dp_group=model.dp_group,
+                                  accum=accum, after_step=after_step, autocast=autocast)
 
 
 @pytest.fixture(scope="module")
 def ref():
-    """The single-device runs, computed once in the pytest process and sent to the ranks."""
+    """The single-device runs (:func:`reference_training`), computed once in the pytest process, sent to the ranks."""
     with one_thread():
-        return {"plain": _reference(), "clip": _reference(clip=0.5)}
-
-
-def _single_threaded(body):
-    """Run a rank's test body under :func:`one_thread`."""
-
-    @functools.wraps(body)
-    def run(*args, **kwargs):
-        with one_thread():
-            return body(*args, **kwargs)
-
-    return run
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Run tiny models on one intra-op thread: on a loaded 2-core machine more threads only spin against each other."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _nullcontext():
-    return contextlib.nullcontext()
+        return {"plain": reference_training(_model, _batch, _adamw, STEPS),
+                "clip": reference_training(_model, _batch, _adamw, STEPS, clip=0.5)}
 
 
 def _assert_close_curve(got, want, rel=1e-5, what=""):
@@ -148,7 +77,7 @@ def _assert_weights(model, ref_state, what="", rtol=1e-4, atol=1e-5):
 
 
 @multi_rank(world_sizes=[1, 2, 4])
-@_single_threaded
+@single_threaded
 def test_ddp_and_zero_match_single_device(world_size, ref):
     """dp in {1,2,4}: ZeRO 0 (plain AdamW on DDP grads), 1, 2 (+ clipping), and 2-way grad accumulation."""
     import torch
@@ -193,7 +122,7 @@ def test_ddp_and_zero_match_single_device(world_size, ref):
                                        weight_decay=0.1)
             norms = []
             losses = _train(model, opt, rank, world_size, accum=accum,
-                            zero_grad=lambda o=opt, n=norms: (o.zero_grad(), n.append(o.grad_norm)))
+                            after_step=lambda o=opt, n=norms: n.append(o.grad_norm))
             _assert_close_curve(losses, clip_losses if clip else ref_losses, what=what)
             _assert_weights(model, clip_state if clip else ref_state, what)
             if clip:
@@ -209,7 +138,7 @@ def test_ddp_and_zero_match_single_device(world_size, ref):
 
 
 @multi_rank(world_sizes=[2])
-@_single_threaded
+@single_threaded
 def test_zero_state_dict_round_trip_and_layout(world_size, ref):
     """Save ZeRO-1 state at step 10, load into fresh objects, finish: same losses and weights as 20 steps straight."""
     import torch
@@ -249,19 +178,7 @@ def test_zero_state_dict_round_trip_and_layout(world_size, ref):
     opt2 = DistributedOptimizer(torch.optim.AdamW, model2, lr=1.0, weight_decay=0.0)
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == LR
-    second = []
-    rows = BATCH // world_size
-    from vescale.core.testing.models import cross_entropy
-
-    for step in range(10, 20):
-        x, y = _batch(step)
-        loss = cross_entropy(model2(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows])
-        loss.backward()
-        opt2.step()
-        opt2.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        second.append(t.item() / world_size)
+    second = data_parallel_training(model2, opt2, _batch, 10, first_step=10, dp_rank=rank, dp=world_size)
     _assert_close_curve(first + second, ref_losses, what="resumed")
     _assert_weights(model2, ref_state, "resumed")
 
@@ -273,7 +190,7 @@ def test_zero_state_dict_round_trip_and_layout(world_size, ref):
 
 
 @multi_rank(world_sizes=[2])
-@_single_threaded
+@single_threaded
 def test_bf16_params_with_fp32_master_converge_like_fp32(world_size, ref):
     """bf16 params/compute, fp32 grads and master weights (ZeRO 2): the loss curve stays within 2% of fp32."""
     import torch

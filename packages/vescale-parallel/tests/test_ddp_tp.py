@@ -9,11 +9,10 @@ full weights ``allclose``.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import pytest
 
-from vescale.core.testing import multi_rank
+from vescale.core.testing import multi_rank, reference
 
 STEPS = 20
 BATCH, SEQ = 8, 16
@@ -30,60 +29,21 @@ def _model(seed: int = 0):
 
 
 def _batch(step: int):
+    return reference.progression_batch(2000 + step, BATCH, SEQ, 64)
+
+
+def _adamw(params):
     import torch
 
-    g = torch.Generator().manual_seed(2000 + step)
-    start = torch.randint(0, 64, (BATCH, 1), generator=g)
-    stride = torch.randint(1, 4, (BATCH, 1), generator=g)
-    tokens = (start + stride * torch.arange(SEQ + 1)) % 64
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _reference(clip: float | None):
-    import torch
-
-    from vescale.core.testing.models import cross_entropy
-
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses, norms = [], []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-@contextlib.contextmanager
-def _one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _single_threaded(body):
-    @functools.wraps(body)
-    def run(*args, **kwargs):
-        with _one_thread():
-            return body(*args, **kwargs)
-
-    return run
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
 @pytest.fixture(scope="module")
 def ref():
-    with _one_thread():
-        return {"plain": _reference(None), "clip": _reference(0.5)}
+    """The single-device runs (:func:`reference_training`) of the whole batch, without and with clipping."""
+    with reference.one_thread():
+        return {"plain": reference.reference_training(_model, _batch, _adamw, STEPS),
+                "clip": reference.reference_training(_model, _batch, _adamw, STEPS, clip=0.5)}
 
 
 def _tensor_parallel(model, tp_mesh):
@@ -100,7 +60,7 @@ def _tensor_parallel(model, tp_mesh):
 
 
 @multi_rank(world_sizes=[4])
-@_single_threaded
+@reference.single_threaded
 def test_dp_x_tp_matches_single_device(world_size, ref):
     """dp=2 x tp=2: ZeRO 0 (+ grad accumulation), ZeRO 1 (+ clipping), ZeRO 2 (+ accumulation and clipping)."""
     import torch
@@ -108,12 +68,10 @@ def test_dp_x_tp_matches_single_device(world_size, ref):
     from torch.distributed.tensor import DTensor
 
     from vescale.core.mesh import init_mesh, mesh_coordinates
-    from vescale.core.testing.models import cross_entropy
     from vescale.parallel import DistributedDataParallel, DistributedOptimizer, gpt_plan, parallelize_module
 
     mesh = init_mesh({"dp": 2, "tp": 2})
     dp_rank = mesh_coordinates(mesh)["dp"]
-    rows = BATCH // 2
     full_numel = sum(p.numel() for p in _model().parameters())
 
     # (ZeRO stage, micro-batches, clip, TP by): torch's parallelize_module, or vescale's with sequence parallelism.
@@ -130,24 +88,10 @@ def test_dp_x_tp_matches_single_device(world_size, ref):
         else:
             opt = DistributedOptimizer(torch.optim.AdamW, model, zero_stage=stage, clip_grad=clip, lr=LR,
                                        weight_decay=0.1)
-        losses, norms = [], []
-        for step in range(STEPS):
-            x, y = _batch(step)
-            x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
-            total = torch.zeros(())
-            micro = rows // accum
-            for i in range(accum):
-                ctx = model.no_sync() if i < accum - 1 else contextlib.nullcontext()
-                with ctx:
-                    loss = cross_entropy(model(x[i * micro:(i + 1) * micro]), y[i * micro:(i + 1) * micro]) / accum
-                    loss.backward()
-                total += loss.detach()
-            opt.step()
-            if clip is not None:
-                norms.append(opt.grad_norm.item())
-            opt.zero_grad()
-            dist.all_reduce(total, group=model.dp_group)
-            losses.append(total.item() / 2)
+        norms = []
+        losses = reference.data_parallel_training(
+            model, opt, _batch, STEPS, dp_rank=dp_rank, dp=2, dp_group=model.dp_group, accum=accum,
+            after_step=(lambda o=opt, n=norms: n.append(o.grad_norm.item())) if clip is not None else None)
         want_losses, want_norms, want_state = ref["clip" if clip else "plain"]
         for step, (g, w) in enumerate(zip(losses, want_losses)):
             assert abs(g - w) <= 1e-5 * abs(w), f"{what} step {step}: loss {g} vs single device {w}"
@@ -168,7 +112,7 @@ def test_dp_x_tp_matches_single_device(world_size, ref):
 
 
 @multi_rank(world_sizes=[2, 4])
-@_single_threaded
+@reference.single_threaded
 def test_zero3_fully_shard_recipe_matches_single_device(world_size, ref):
     """ZeRO 3 = fully_shard_dp (torch FSDP2 on the dp sub-mesh): dp=2, and dp=2 x tp=2; grad accumulation + clipping.
 
@@ -179,7 +123,6 @@ def test_zero3_fully_shard_recipe_matches_single_device(world_size, ref):
     from torch.distributed.tensor import DTensor
 
     from vescale.core.mesh import init_mesh, mesh_coordinates
-    from vescale.core.testing.models import cross_entropy
     from vescale.parallel import clip_grad_norm_, fully_shard_dp
 
     tp = world_size // 2
@@ -191,23 +134,15 @@ def test_zero3_fully_shard_recipe_matches_single_device(world_size, ref):
     tp_sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
     model = fully_shard_dp(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    rows, accum = BATCH // 2, 2
-    micro = rows // accum
-    losses, norms = [], []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
-        total = torch.zeros(())
-        for i in range(accum):
-            model.set_requires_gradient_sync(i == accum - 1)
-            loss = cross_entropy(model(x[i * micro:(i + 1) * micro]), y[i * micro:(i + 1) * micro]) / accum
-            loss.backward()
-            total += loss.detach()
-        norms.append(clip_grad_norm_(model.parameters(), 0.5).item())
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(total, group=mesh["dp"].get_group())
-        losses.append(total.item() / 2)
+    norms = []
+
+    def sync(last: bool):  # FSDP2's gradient accumulation: reduce-scatter only on the last microbatch
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    losses = reference.data_parallel_training(
+        model, opt, _batch, STEPS, dp_rank=dp_rank, dp=2, dp_group=mesh["dp"].get_group(), accum=2, sync=sync,
+        before_step=lambda: norms.append(clip_grad_norm_(model.parameters(), 0.5).item()))
     want_losses, want_norms, want_state = ref["clip"]
     for step, (g, w) in enumerate(zip(losses, want_losses)):
         assert abs(g - w) <= 1e-5 * abs(w), f"zero3 tp={tp} step {step}: loss {g} vs single device {w}"

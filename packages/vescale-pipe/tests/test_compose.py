@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vescale.core.testing import multi_rank
+from vescale.core.testing.reference import reference_gradients
 
 MB, T, VOCAB = 2, 8, 64
 
@@ -38,20 +39,6 @@ class HandStage(nn.Module):
         return self.lm_head(self.norm(x)) if self.last else x
 
 
-def _reference(model, x, y, M):
-    from vescale.core.testing.models import cross_entropy
-
-    model.zero_grad(set_to_none=True)
-    losses = []
-    for xm, ym in zip(x.chunk(M), y.chunk(M)):
-        loss = cross_entropy(model(xm), ym)
-        (loss / M).backward()
-        losses.append(loss.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    model.zero_grad(set_to_none=True)  # the stages share these parameters
-    return losses, grads
-
-
 @multi_rank(world_sizes=[4])
 def test_pp_x_dp(gpt_pipeline):
     import torch.distributed as dist
@@ -67,7 +54,7 @@ def test_pp_x_dp(gpt_pipeline):
     g = torch.Generator().manual_seed(11)
     x = torch.randint(0, VOCAB, (2 * M * MB, T), generator=g)
     y = torch.randint(0, VOCAB, (2 * M * MB, T), generator=g)
-    losses, ref = _reference(model, x, y, 2 * M)  # one device: all 2M microbatches
+    losses, ref = reference_gradients(model, x, y, 2 * M)  # one device: all 2M microbatches
     mine = slice(dp * M * MB, (dp + 1) * M * MB)  # this replica's half of the global batch
     for name in ("1f1b", "zb_h1"):
         engine = PipeEngine(stages_by_count[2], mesh, schedule=name, num_microbatches=M, loss_fn=cross_entropy)
@@ -111,7 +98,7 @@ def test_pp_x_tp_with_hand_built_stages():
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, VOCAB, (M * MB, T), generator=g)
     y = torch.randint(0, VOCAB, (M * MB, T), generator=g)
-    losses, ref = _reference(reference, x, y, M)
+    losses, ref = reference_gradients(reference, x, y, M)
     stages = [stage, None] if pp == 0 else [None, stage]
     for name in ("1f1b", "zb_h1"):
         engine = PipeEngine(stages, mesh, schedule=name, num_microbatches=M, loss_fn=cross_entropy)

@@ -10,6 +10,7 @@ tolerance of a few ulps (fp32, rtol 1e-5).
 from __future__ import annotations
 
 from vescale.core.testing import multi_rank
+from vescale.core.testing.reference import reference_gradients
 
 MB, T, VOCAB = 2, 8, 64
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("gpipe", 2)]
@@ -19,14 +20,7 @@ def _reference(model, x, y, M, loss_fn):
     """Single-device loss (mean over microbatches) and gradients by FQN (tied weights under every name)."""
     import torch
 
-    model.zero_grad(set_to_none=True)
-    losses = []
-    for xm, ym in zip(x.chunk(M), y.chunk(M)):
-        loss = loss_fn(model(xm), ym)
-        (loss / M).backward()
-        losses.append(loss.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    model.zero_grad(set_to_none=True)
+    losses, grads = reference_gradients(model, x, y, M, loss_fn)
     return torch.stack(losses).mean(), grads
 
 

@@ -18,6 +18,9 @@ that rank's traceback and captured output; a rank that hangs fails it after ``ti
 and the pool of that size is rebuilt so the next test runs. The return value of rank 0 is ignored by pytest.
 
 :func:`run_on_ranks` is the same machinery as a plain call, returning every rank's result.
+
+The single-device side of such comparisons (a reference training loop, microbatch-accumulated gradients, the
+data-parallel loop to compare with it) is written once in :mod:`vescale.core.testing.reference`.
 """
 
 from __future__ import annotations
