@@ -13,18 +13,10 @@ from torch.distributed.tensor import distribute_tensor as _torch_distribute_tens
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 from vescale.dtensor.errors import PlacementError
-from vescale.dtensor.layout import local_shape, local_slice, validate_placements
+from vescale.dtensor.layout import contiguous_stride, local_shape, local_slice, validate_placements
 from vescale.dtensor.placements import RaggedShard
 
 __all__ = ["from_local", "distribute_tensor", "redistribute", "full_tensor", "mesh_group"]
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(stride))
 
 
 def mesh_group(mesh: DeviceMesh):
@@ -87,7 +79,7 @@ def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None
         raise PlacementError(f"from_local with {placements} needs shape= (or check=True) to know the global shape")
     if shape is not None:
         shape = torch.Size(shape)
-        stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
+        stride = tuple(stride) if stride is not None else contiguous_stride(shape)
     return DTensor.from_local(local_tensor, mesh, placements, run_check=run_check, shape=shape, stride=stride,
                               grad_placements=grad_placements)
 
@@ -145,7 +137,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
             tensor = tensor.detach().clone().contiguous()
             dist.broadcast(tensor, src=int(mesh.mesh.reshape(-1)[src_data_rank]), group=mesh_group(mesh))
         local = local_slice(tensor.detach(), mesh, placements).requires_grad_(tensor.requires_grad)
-        return from_local(local, mesh, placements, shape=tensor.shape, stride=_contiguous_stride(tensor.shape))
+        return from_local(local, mesh, placements, shape=tensor.shape, stride=contiguous_stride(tensor.shape))
     return _torch_distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
 
 
@@ -186,5 +178,5 @@ def redistribute(dtensor: DTensor, device_mesh: DeviceMesh | None = None,
     full = full_tensor(dtensor) if src_ragged else dtensor.redistribute(mesh, (Replicate(),) * mesh.ndim).to_local()
     if dst_ragged:
         local = local_slice(full, mesh, placements)
-        return from_local(local, mesh, placements, shape=dtensor.shape, stride=_contiguous_stride(dtensor.shape))
+        return from_local(local, mesh, placements, shape=dtensor.shape, stride=contiguous_stride(dtensor.shape))
     return _torch_distribute_tensor(full, mesh, placements, src_data_rank=None)

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale.dtensor import random as _rng
 from vescale.dtensor.errors import DeferredInitError
+from vescale.dtensor.layout import contiguous_stride
 
 __all__ = ["deferred_init", "materialize", "is_deferred"]
 
@@ -227,11 +228,7 @@ class _Replayer:
 
 
 def _whole(node: _Storage, geom: _Geom) -> bool:
-    stride, acc = [], 1
-    for n in reversed(node.shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return geom.size == node.shape and geom.offset == 0 and (geom.stride == tuple(reversed(stride))
+    return geom.size == node.shape and geom.offset == 0 and (geom.stride == contiguous_stride(node.shape)
                                                              or math.prod(node.shape) <= 1)
 
 

@@ -18,7 +18,22 @@ from vescale.dtensor.errors import PlacementError
 from vescale.dtensor.placements import RaggedShard
 
 __all__ = ["validate_placements", "local_dim_indices", "global_flat_index", "local_shape", "local_slice", "Chunk",
-           "local_chunks"]
+           "local_chunks", "contiguous_stride", "smallest_shard"]
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The stride of a contiguous tensor of ``shape``, by torch's rule (a size-0 or size-1 dim counts as 1)."""
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
+
+
+def smallest_shard(size: int, parts: int) -> int:
+    """The size of the smallest piece ``Shard`` gives when a dim of ``size`` is split into ``parts`` (torch's chunk
+    rule: pieces of ``ceil(size / parts)``, the last ones short or empty; 6 over 4 is 2, 2, 2, 0)."""
+    return max(0, size - -(-size // parts) * (parts - 1))
 
 
 def validate_placements(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],

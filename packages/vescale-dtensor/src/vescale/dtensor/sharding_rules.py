@@ -28,6 +28,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 
+from vescale.dtensor.layout import smallest_shard
+
 __all__ = ["ATTENTION_DROPOUT_ERROR"]
 
 aten = torch.ops.aten
@@ -69,8 +71,7 @@ def _no_empty_heads(heads: tuple[int, ...]) -> Callable[[list, object], bool]:
         for n in heads:
             for mesh_dim, placement in enumerate(spec.placements):
                 if placement.is_shard(1):
-                    k = spec.mesh.size(mesh_dim)
-                    n = max(0, n - -(-n // k) * (k - 1))  # the smallest chunk
+                    n = smallest_shard(n, spec.mesh.size(mesh_dim))
             if n == 0:
                 return False
         return True

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.core.errors import VescaleError
+from vescale.dtensor.layout import contiguous_stride, smallest_shard
 from vescale.parallel.factory import compiled_region
 from vescale.parallel.local import _local_forward
 
@@ -167,10 +168,9 @@ def install_compilable_embeddings(module: nn.Module) -> list[str]:
         vdim = vdims[0]
         mesh = weight.device_mesh
         n, coord = mesh.size(vdim), mesh.get_local_rank(vdim)
-        chunk = -(-weight.shape[0] // n)  # torch.chunk's rule, as Shard uses
-        if chunk * (n - 1) >= weight.shape[0]:
+        if smallest_shard(weight.shape[0], n) == 0:
             continue  # some rank holds no rows: keep torch's lookup
-        offset = min(coord * chunk, weight.shape[0])
+        offset = min(coord * -(-weight.shape[0] // n), weight.shape[0])  # Shard's pieces: ceil(rows / n) each
         mod.forward = functools.partial(_embedding_forward, module=mod, vdim=vdim, offset=offset)
         found.append(fqn)
     return found
@@ -193,12 +193,8 @@ def _embedding_forward(ids: Any, *, module: nn.Embedding, vdim: int, offset: int
     pad = pad - offset if pad is not None and offset <= pad < offset + rows else None
     out = torch.nn.functional.embedding(local, w, pad).masked_fill(outside.unsqueeze(-1), 0.0)
     shape = (*ids.shape, weight.shape[1])
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.insert(0, acc)
-        acc *= size
     return DTensor.from_local(out, mesh, [Partial() if i == vdim else p for i, p in enumerate(want)],
-                              run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+                              run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape))
 
 
 def _run_compiled(compiled: Callable, *args: Any, **kwargs: Any) -> Any:

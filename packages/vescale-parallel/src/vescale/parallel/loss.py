@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from vescale.core.errors import VescaleError
+from vescale.dtensor.layout import contiguous_stride
 
 __all__ = ["vocab_parallel_cross_entropy", "loss_parallel", "LossParallelError"]
 
@@ -141,7 +142,7 @@ def vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, *, ignor
                                        int(ignore_index))
     shape = logits.shape[:-1]
     losses = DTensor.from_local(per_token, mesh, out_placements, run_check=False, shape=shape,
-                                stride=_contiguous_stride(shape))
+                                stride=contiguous_stride(shape))
     if reduction == "none":
         return losses
     total = losses.sum().redistribute(mesh, [Replicate()] * mesh.ndim)
@@ -149,16 +150,8 @@ def vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, *, ignor
         return total
     count_local = (t_local != ignore_index).to(per_token.dtype)
     count = DTensor.from_local(count_local, mesh, out_placements, run_check=False, shape=shape,
-                               stride=_contiguous_stride(shape)).sum().redistribute(mesh, [Replicate()] * mesh.ndim)
+                               stride=contiguous_stride(shape)).sum().redistribute(mesh, [Replicate()] * mesh.ndim)
     return total / count
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 class _LossParallelMode(TorchFunctionMode):
