@@ -554,13 +554,10 @@ def train(cfg: TrainConfig) -> dict:
     if pending_save is not None:
         pending_save.wait()
     wall = time.perf_counter() - t_start
-    peak = torch.tensor([_peak_memory_mb()], dtype=torch.float64)
-    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, peak)
-    init = torch.tensor([[trainer.init_s, trainer.init_bytes]], dtype=torch.float64)
-    inits = [torch.zeros_like(init) for _ in range(dist.get_world_size())]
-    dist.all_gather(inits, init)
-    inits = torch.cat(inits)
+    mine = torch.tensor([[_peak_memory_mb(), trainer.init_s, trainer.init_bytes]], dtype=torch.float64)
+    per_rank = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(per_rank, mine)  # one gather: peak memory MB, init seconds, init bytes of every rank
+    per_rank = torch.cat(per_rank)
     if rank != 0:
         return {}
     metrics_file.close()
@@ -569,9 +566,9 @@ def train(cfg: TrainConfig) -> dict:
         "mesh": cfg.dims, "model": cfg.model, "parameters": trainer.num_params, "steps": cfg.steps,
         "first_loss": metrics[0]["loss"] if metrics else None, "final_loss": metrics[-1]["loss"] if metrics else None,
         "corpus_entropy": corpus.entropy(), "tokens_per_s": tokens_per_step * steps_run / wall, "wall_s": wall,
-        "peak_memory_mb_per_rank": [round(float(p), 1) for p in peaks], "init": cfg.init,
-        "init_s_per_rank": [round(float(t), 3) for t in inits[:, 0]],
-        "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in inits[:, 1]],
+        "peak_memory_mb_per_rank": [round(float(p), 1) for p in per_rank[:, 0]], "init": cfg.init,
+        "init_s_per_rank": [round(float(t), 3) for t in per_rank[:, 1]],
+        "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in per_rank[:, 2]],
         "communication_share_traced_steps": (comm_s / traced_s) if traced_s else None,
     }
     if metrics:
