@@ -5,16 +5,18 @@
 4 ranks on a dp x tp = 2 x 2 mesh hold a stack of square linears (TP: colwise/rowwise, replicated over dp) with
 AdamW state; ``--size-mb`` is the unique state (parameters + exp_avg + exp_avg_sq). Measured in one run, as the
 slowest rank between barriers: the first call of each operation (imports, plans, lazily built optimizer state),
-then the median of 5 calls with vescale and DCP alternating (the machine may be shared): save (each to a new
-directory, as a training run does), load into the same layout, load resharded onto tp = 4; then the blocking part
-and the total of async saves (first, then median). DCP uses ``dcp.save``/``dcp.async_save``/``dcp.load`` with
-``get_state_dict``/``set_state_dict``. Both fsync their files. Each timed save's directory is deleted after it
-(untimed), so that long runs do not fill the disk. A DCP operation that raises is recorded as ``dcp_<op>_error``
-and not retried; every other figure is still reported. The bytes each side writes (``*_bytes_written``) give
-each side's save throughput as a fraction of the disk's sequential write bandwidth, measured with dd (O_DIRECT)
-in the same directory, by one stream and by 4 concurrent streams (as many as the writing ranks). Reads after a
-save are served largely from the page cache on both sides (caches are not dropped on a shared machine). Prints
-one JSON object.
+then, one operation after another, the median of 5 calls with vescale and DCP alternating (the machine may be
+shared): save (each to a new directory, as a training run does), load into the same layout, load resharded onto tp =
+4; then async saves, each followed at once by a training step of ``--step-batch`` rows as in a training loop: the
+blocking part (until the save returns, plus what that step's ``optimizer.step()`` waited for vescale's background
+snapshot), the step's time and the total (first, then median). DCP uses ``dcp.save``/``dcp.async_save``/``dcp.load``
+with ``get_state_dict``/``set_state_dict``. Both fsync their files. Each timed save's directory is deleted after it
+(untimed), so that long runs do not fill the disk. A DCP operation that raises is recorded as ``dcp_<op>_error`` and
+not retried; every other figure is still reported. The bytes each side writes (``*_bytes_written``) give each side's
+save throughput as a fraction of the disk's sequential write bandwidth, measured with dd (O_DIRECT) in the same
+directory, by one stream and by 4 concurrent streams (as many as the writing ranks). Reads after a save are served
+largely from the page cache on both sides (caches are not dropped on a shared machine; vescale writes its data files
+with O_DIRECT, so its first load reads them from the disk). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ def _model(d: int, layers: int, tp: int, seed: int):
     return model, opt
 
 
-def _train_step(model, opt, d: int) -> None:
+def _train_step(model, opt, d: int, batch: int = 2) -> None:
     import torch
 
-    model(torch.randn(2, d)).square().mean().backward()
+    model(torch.randn(batch, d)).square().mean().backward()
     opt.step()
     opt.zero_grad()
 
@@ -75,7 +77,7 @@ def _timed(fn, repeat: int | None = None):
     return statistics.median(times), out
 
 
-def _bench(root: str, d: int, layers: int) -> dict:
+def _bench(root: str, d: int, layers: int, step_batch: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -137,17 +139,20 @@ def _bench(root: str, d: int, layers: int) -> dict:
     for name, (v, c) in ops.items():  # first calls: imports, plans, lazily built optimizer state
         run(name, "vescale", v, samples.setdefault(f"vescale_{name}_first_s", []))
         run(name, "dcp", c, samples.setdefault(f"dcp_{name}_first_s", []))
-    for _ in range(_REPEAT):
-        for name, (v, c) in ops.items():
+    for name, (v, c) in ops.items():  # one operation at a time, so that loads do not change what saves meet
+        for _ in range(_REPEAT):
             run(name, "vescale", v, samples.setdefault(f"vescale_{name}_s", []))
             run(name, "dcp", c, samples.setdefault(f"dcp_{name}_s", []))
+    for _ in range(_REPEAT):
         samples.setdefault("vescale_load_read_once_send_s", []).append(
             _timed(lambda: checkpoint.load(f"{root}/v1", state, dedup_reads=True), 1)[0])
     r.update({k: statistics.median(v) for k, v in samples.items() if v})
-    r.update(_async(lambda i: checkpoint.save(new_dir("va"), state, async_save=True), "vescale", root))
+    step = lambda: _train_step(model, opt, d, step_batch)  # noqa: E731 - the training step after each async save
+    r["train_step_s"] = _timed(step)[0]
+    r.update(_async(lambda i: checkpoint.save(new_dir("va"), state, async_save=True), "vescale", root, step))
     try:
         r.update(_async(lambda i: _Waitable(dcp.async_save(dcp_state(model, opt), checkpoint_id=new_dir("da"))),
-                        "dcp", root))
+                        "dcp", root, step))
     except _SideFailed as exc:
         failed["async_save"] = str(exc)
     r.update({f"dcp_{name}_error": error for name, error in failed.items()})
@@ -178,37 +183,48 @@ def _clean(root: str) -> None:
 class _Waitable:
     def __init__(self, future) -> None:
         self.future = future
+        self.fence_wait_s = 0.0  # DCP's snapshot is taken before async_save returns: no step ever waits for it
 
     def wait(self) -> None:
         self.future.result()
 
 
-def _async(start, name: str, root: str) -> dict[str, float]:
-    """Blocking and total time of async saves: the first (allocates buffers), then the median of the next ones.
-    A failure on any rank raises :class:`_SideFailed` on every rank."""
+def _async(start, name: str, root: str, step) -> dict[str, float]:
+    """Async saves, each followed at once by one training step (``step``), as in a training loop: the time until
+    ``save`` returns, the time that step's optimizer step waited for a background snapshot (``fence_wait``), their
+    sum (``blocking``: what training is held up by), the step's own time and the total until committed; the first
+    (allocates buffers), then the median of the next ones. A failure on any rank raises :class:`_SideFailed` on
+    every rank."""
     import statistics
 
     import torch.distributed as dist
 
-    blocking, total = [], []
+    figures: dict[str, list[float]] = {}
     for i in range(1 + _REPEAT):
         dist.barrier()
         t0 = time.perf_counter()
         error = ""
+        returned = fence = stepped = 0.0
         try:
             handle = start(i)
-            blocked = time.perf_counter() - t0
+            returned = time.perf_counter() - t0
+            step()
+            stepped = time.perf_counter() - t0 - returned
+            fence = handle.fence_wait_s
             handle.wait()
         except Exception as exc:  # noqa: BLE001 - reported in the JSON
-            error, blocked = f"{type(exc).__name__}: {exc}"[:500], 0.0
+            error = f"{type(exc).__name__}: {exc}"[:500]
         dist.barrier()
-        total.append(time.perf_counter() - t0)
+        total = time.perf_counter() - t0
         if _all_max(float(bool(error))):  # after the wait: DCP's background save uses the default group
             raise _SideFailed(error or "failed on another rank")
-        blocking.append(_all_max(blocked))
+        for key, value in (("returned", returned), ("fence_wait", fence), ("blocking", returned + fence),
+                           ("next_step", stepped), ("total", total)):
+            figures.setdefault(key, []).append(_all_max(value))
         _clean(root)
-    return {f"{name}_async_first_blocking_s": blocking[0], f"{name}_async_blocking_s": statistics.median(blocking[1:]),
-            f"{name}_async_total_s": statistics.median(total[1:])}
+    out = {f"{name}_async_first_blocking_s": figures["blocking"][0]}
+    out.update({f"{name}_async_{key}_s": statistics.median(v[1:]) for key, v in figures.items()})
+    return out
 
 
 def _all_max(x: float) -> float:
@@ -253,6 +269,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 64 MiB state (the nox bench session)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
     parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--step-batch", type=int, default=2,
+                        help="rows of the training step run after each async save (default 2: a near-empty step)")
     args = parser.parse_args()
     size = 64 if args.small else args.size_mb
     d = args.d_model
@@ -260,13 +278,14 @@ def main() -> None:
     state_bytes = layers * d * d * 4 * 3
     root = tempfile.mkdtemp(prefix="vescale-ckpt-bench-", dir=args.dir)
     try:
-        r = spawn(_bench, 4, root, d, layers)
+        r = spawn(_bench, 4, root, d, layers, args.step_batch)
         r.update(_dd(root, min(size, 1024)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = state_bytes / 1e9
     out = {"bench": "checkpoint", "world_size": 4, "mesh": "dp=2,tp=2", "state_GB": round(gb, 3),
-           "layers": layers, "d_model": d, **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}
+           "layers": layers, "d_model": d, "step_batch": args.step_batch,
+           **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}
     pairs = {"speedup_save": "save_s", "speedup_load": "load_s", "speedup_load_reshard": "load_reshard_s"}
     for out_key, key in pairs.items():
         if f"dcp_{key}" in r:

@@ -135,3 +135,103 @@ def test_async_save_replans_when_one_rank_changes(tmp_path):
     assert loaded.keys() == expected.keys()
     for k in expected:
         assert torch.equal(loaded[k], expected[k]), k
+
+
+def _slow_background_copy(seconds):
+    """Delay the background part of async snapshots by ``seconds``; returns the function that undoes it."""
+    import time
+
+    from vescale.checkpoint import _save
+
+    copy = _save._copy_deferred
+
+    def slow(deferred):
+        time.sleep(seconds)
+        return copy(deferred)
+
+    _save._copy_deferred = slow
+    return lambda: setattr(_save, "_copy_deferred", copy)
+
+
+@multi_rank(world_sizes=[2])
+def test_async_snapshot_is_fenced_by_the_next_optimizer_step(tmp_path):
+    """Parameters and optimizer state are copied after ``save`` returns (the copy is delayed 0.5 s); the next
+    ``optimizer.step()`` waits for it, while a BatchNorm's running stats, which the next forward changes, were
+    copied before ``save`` returned. The checkpoint holds the values at save time, bitwise."""
+    import torch
+    from torch import nn
+
+    from vescale import checkpoint
+
+    m, _ = _parallel(0)
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(8)
+    opt = torch.optim.AdamW(list(m.parameters()) + list(norm.parameters()), lr=1e-2)
+
+    def step(i):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        norm(m(x)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    state = {"model": m, "norm": norm, "optim": opt}
+    undo = _slow_background_copy(0.5)
+    try:
+        handle = checkpoint.save(os.path.join(tmp_path, "ckpt"), state, async_save=True)
+        snapshot_pending = not handle.snapshot_done()
+        at_save = _full(state)
+        step(1)  # the forward changes the running stats at once; the step waits for the copy
+        waited = handle.fence_wait_s
+        handle.wait()
+    finally:
+        undo()
+    assert snapshot_pending, "save returned after copying everything: the background copy was not exercised"
+    assert waited > 0.2, f"optimizer.step() did not wait for the background copy ({waited:.3f} s)"
+    after = _full(state)
+    assert not torch.equal(at_save["norm.running_mean"], after["norm.running_mean"])
+    assert not torch.equal(at_save["model.0.weight"], after["model.0.weight"])
+
+    m2, _ = _parallel(1)
+    norm2 = nn.BatchNorm1d(8)
+    fresh = {"model": m2, "norm": norm2, "optim": torch.optim.AdamW(list(m2.parameters()) + list(norm2.parameters()))}
+    checkpoint.load(os.path.join(tmp_path, "ckpt"), fresh)
+    loaded = _full(fresh)
+    assert loaded.keys() == at_save.keys()
+    for k in at_save:
+        assert torch.equal(loaded[k], at_save[k]), f"{k}: async checkpoint does not hold the values at save time"
+
+
+@multi_rank(world_sizes=[2])
+def test_async_save_fails_when_a_parameter_changes_before_its_copy(tmp_path):
+    """Rank 0 changes a parameter in place (not through an optimizer step) while its copy is pending: the save
+    fails on every rank naming the tensor, and the previous checkpoint at the same path still loads, bitwise."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from vescale import checkpoint
+    from vescale.checkpoint.errors import CheckpointError
+
+    m, opt = _parallel(0)
+    _train(m, opt, 1)
+    state = {"model": m, "optim": opt}
+    path = os.path.join(tmp_path, "ckpt")
+    checkpoint.save(path, state)
+    before = _full(state)
+    undo = _slow_background_copy(0.5)
+    try:
+        handle = checkpoint.save(path, state, async_save=True)
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                m[0].weight.add_(1.0)
+        with pytest.raises(CheckpointError, match=r"model\.0\.weight.*wait_snapshot"):
+            handle.wait()
+    finally:
+        undo()
+    m2, opt2 = _parallel(1)
+    fresh = {"model": m2, "optim": opt2}
+    checkpoint.load(path, fresh)
+    loaded = _full(fresh)
+    for k in before:
+        assert torch.equal(loaded[k], before[k]), k

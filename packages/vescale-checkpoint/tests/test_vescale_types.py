@@ -122,3 +122,51 @@ def test_zero_optimizer_reshards_to_any_dp_and_to_plain(tmp_path):
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][name], opt4.state[q][name]), name
     assert os.path.exists(os.path.join(b, "metadata.json"))
+
+
+def _zero_async_save(sync_path: str, async_path: str) -> float:
+    import time
+
+    from vescale.checkpoint import _save
+
+    ddp, opt = _zero(2)
+
+    def step(i):
+        ddp(_batch(i)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    state = {"model": ddp, "optim": opt, "step": 1}
+    checkpoint.save(sync_path, state)
+    copy = _save._copy_deferred
+    _save._copy_deferred = lambda deferred: (time.sleep(0.5), copy(deferred))
+    try:
+        handle = checkpoint.save(async_path, state, async_save=True)
+        step(1)  # ZeRO's step runs the wrapped torch optimizer's step, which waits for the background copy
+        handle.wait()
+    finally:
+        _save._copy_deferred = copy
+    return handle.fence_wait_s
+
+
+def test_zero_optimizer_async_save_is_fenced_by_its_step(tmp_path):
+    """An async save of a ZeRO-1 model + optimizer, with the next step right after it and the background copy
+    delayed: the step waits, and the checkpoint equals, bitwise, a synchronous save taken just before."""
+    pytest.importorskip("vescale.parallel")
+    a, b = str(tmp_path / "sync"), str(tmp_path / "async")
+    waited = min(run_on_ranks(_zero_async_save, 2, a, b))
+    assert waited > 0.2, f"the ZeRO step did not wait for the background copy ({waited:.3f} s)"
+    info = checkpoint.inspect(a)["tensors"]
+    assert checkpoint.inspect(b)["tensors"].keys() == info.keys()
+    loaded = []
+    for path in (a, b):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+        checkpoint.load(path, {"model": model, "optim": opt, "step": 0})
+        loaded.append((model, opt))
+    (m1, o1), (m2, o2) = loaded
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(o1.state[p][name], o2.state[q][name]), name

@@ -6,6 +6,12 @@ and reused while the state keeps the same structure (a one-integer all-reduce co
 save snapshots the boxes this rank writes into a reused host buffer (pinned when on GPU) and returns; a background
 thread writes, gathers the shard records and lets rank 0 commit ``metadata.json`` last, which makes the checkpoint
 visible atomically; the replaced save's files are then deleted in the background.
+
+In an async save, the tensors that only an optimizer step changes in place (trainable parameters and optimizer
+state) are copied on the background thread, while the caller goes on with its next forward and backward; every
+``torch.optim`` optimizer's ``step()`` waits until that copy is done first (a global step pre-hook), and a tensor
+found changed in place before it was copied fails the save (the previous checkpoint stays). Everything else
+(buffers, plain tensors, values) is copied before ``save`` returns.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import queue
 import random
 import re
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,21 +56,36 @@ _DATA_FILE = re.compile(r"data-([0-9a-f]+)-r\d+\.safetensors")
 
 
 class SaveHandle:
-    """A save in progress (async) or finished. ``wait()`` blocks until it is committed and re-raises its error."""
+    """A save in progress (async) or finished. ``wait()`` blocks until it is committed and re-raises its error;
+    ``wait_snapshot()`` until this rank's data is copied to host memory, after which the state may change freely.
+    ``fence_wait_s``: the seconds optimizer steps on this rank spent waiting for that copy."""
 
     def __init__(self, path: str, finished: threading.Event | None = None) -> None:
         self.path = path
         self._finished = finished
+        self._snapshotted: threading.Event | None = None
         self.error: BaseException | None = None
+        self._reported = False  # its error was raised to the caller once (a later save or load does not again)
+        self.fence_wait_s = 0.0
 
     def done(self) -> bool:
         return self._finished is None or self._finished.is_set()
+
+    def snapshot_done(self) -> bool:
+        return self._snapshotted is None or self._snapshotted.is_set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until this rank's state is copied (a failed copy returns too; ``wait()`` raises its error).
+        Needed only before changing saved tensors in place other than by ``optimizer.step()``, which waits itself."""
+        if self._snapshotted is not None and not self._snapshotted.wait(timeout):
+            raise TimeoutError(f"snapshot for checkpoint {self.path} still running after {timeout} s")
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is committed on every rank; raise what the save raised."""
         if self._finished is not None and not self._finished.wait(timeout):
             raise TimeoutError(f"checkpoint save to {self.path} still running after {timeout} s")
         if self.error is not None:
+            self._reported = True
             raise self.error
 
 
@@ -74,6 +96,11 @@ class _Job:
     lengths: tuple[int, ...]
     dtype: torch.dtype
     source: torch.Tensor
+    #: set for a job copied in the background: the tensors whose in-place change would alter its data (the local
+    #: piece and, for a DTensor, the DTensor, whose in-place ops count on its own counter) and their version counters
+    #: when ``save`` was called
+    watched: tuple[torch.Tensor, ...] = ()
+    version: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -89,6 +116,7 @@ _worker: threading.Thread | None = None
 _work: queue.SimpleQueue = queue.SimpleQueue()
 _cleanup: threading.Thread | None = None
 _cached: _Plan | None = None
+_fence_installed = False
 
 
 def describe(flat: Flat, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, list[Piece]],
@@ -162,8 +190,12 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
 
     ``state`` maps names to modules, optimizers, tensors/DTensors, JSON-able values or stateful objects (see
     :mod:`vescale.checkpoint`). Plain tensors are taken to be replicated: one copy is written. With
-    ``async_save=True`` it returns once this rank's data is snapshotted to host memory; the returned handle's
-    ``wait()`` blocks until the checkpoint is committed (a later ``save`` or ``load`` waits for it first).
+    ``async_save=True`` it returns once the writers are planned and this rank's buffers, plain tensors and values are
+    snapshotted to host memory; trainable parameters and optimizer state are copied in the background, and the
+    next ``optimizer.step()`` of any ``torch.optim`` optimizer in this process waits for that copy. Changing those
+    tensors in place any other way before ``handle.wait_snapshot()`` returns fails the save (a changed version
+    counter is detected; the previous checkpoint stays). The handle's ``wait()`` blocks until the checkpoint is
+    committed (a later ``save`` or ``load`` waits for it first).
     ``compress=True`` stores each tensor zstd-compressed. ``threads``: I/O threads per rank (default: the host's
     CPUs divided among its ranks, 1 to 8). The checkpoint becomes visible only when complete; a
     previous checkpoint at ``path`` stays loadable until then and its data files are deleted after.
@@ -181,11 +213,10 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
         signature = json.dumps([comm.world, desc], separators=(",", ":"))
     except Exception as exc:  # noqa: BLE001 - bad input: every rank must learn of it, none may hang
         error = exc
-    early: list[_Job] | None = None
+    early: tuple[list[_Job], list] | None = None
     if async_save and error is None and _cached is not None and _cached.signature == signature:
         try:  # the cached plan holds here: snapshot now, while the ranks agree that it holds everywhere
-            early = _jobs(_cached, pieces, dtypes)
-            _snapshot(_cached, early, io_threads(threads, comm))
+            early = _stage(_cached, _jobs(_cached, pieces, dtypes, flat.stepped, tensors), io_threads(threads, comm))
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, none may hang
             error = exc
     miss, nonce, failed = comm.all_reduce_max([int(_cached is None or _cached.signature != signature),
@@ -199,26 +230,52 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
         _cached = _Plan(signature, mine, table)
         early = None
     plan = _cached
-    jobs = early if early is not None else _jobs(plan, pieces, dtypes)
     save_id = f"{nonce:016x}"
     storage = Storage(path, storage_options)
     storage.makedirs()
-    if async_save and early is None:
-        _snapshot(plan, jobs, io_threads(threads, comm))
-    elif not async_save:
+    deferred: list = []
+    if async_save:
+        if early is None:
+            early = _stage(plan, _jobs(plan, pieces, dtypes, flat.stepped, tensors), io_threads(threads, comm))
+        jobs, deferred = early
+    else:
+        jobs = _jobs(plan, pieces, dtypes, set(), tensors)
         for job in jobs:
             if job.source.device.type != "cpu" or not job.source.is_contiguous():
                 job.source = job.source.to("cpu", copy=False).contiguous()
     handle = SaveHandle(storage.url)
-    args = (handle, comm, storage, save_id, jobs, values, plan.tensors, compress, threads)
+    args = (handle, comm, storage, save_id, jobs, values, plan.tensors, compress, threads, deferred)
     if not async_save:
         _finish(*args)
         handle.wait()
         return handle
     handle._finished = threading.Event()
+    handle._snapshotted = threading.Event()
+    if not deferred:
+        handle._snapshotted.set()
+    else:
+        _install_fence()
     _pending = handle
     _in_background(_finish, args, handle._finished)
     return handle
+
+
+def _install_fence() -> None:
+    """Make every ``torch.optim`` optimizer step in this process wait for the background snapshot (once)."""
+    global _fence_installed
+    if not _fence_installed:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_fence)
+        _fence_installed = True
+
+
+def _fence(optimizer, args, kwargs) -> None:
+    handle = _pending
+    if handle is not None and not handle.snapshot_done():
+        t0 = time.perf_counter()
+        handle.wait_snapshot()
+        handle.fence_wait_s += time.perf_counter() - t0
 
 
 def _in_background(fn, args: tuple, finished: threading.Event) -> None:
@@ -237,26 +294,39 @@ def _serve() -> None:
         try:
             fn(*args)  # _finish keeps its own errors on the handle
         finally:
+            if args[0]._snapshotted is not None:
+                args[0]._snapshotted.set()  # never leave an optimizer step waiting
             finished.set()
 
 
-def _jobs(plan: _Plan, pieces: dict[str, list[Piece]], dtypes: dict[str, torch.dtype]) -> list[_Job]:
-    """The boxes ``plan`` has this rank write, as jobs reading from the local pieces."""
+def _jobs(plan: _Plan, pieces: dict[str, list[Piece]], dtypes: dict[str, torch.dtype], stepped: set[str],
+          tensors: dict[str, torch.Tensor]) -> list[_Job]:
+    """The boxes ``plan`` has this rank write, as jobs reading from the local pieces; those of ``stepped`` keys
+    carry version counters, marking them to be copied in the background."""
     by_box = {(k, p.offsets): p for k, ps in pieces.items() for p in ps}
     jobs = []
     for key, offs in plan.mine:
         piece = by_box[(key, tuple(offs))]
-        jobs.append(_Job(key, piece.offsets, piece.lengths, dtypes[key], piece.view))
+        job = _Job(key, piece.offsets, piece.lengths, dtypes[key], piece.view)
+        if key in stepped:
+            watched = (piece.view,) + ((tensors[key],) if key in tensors and is_dtensor(tensors[key]) else ())
+            try:
+                job.version = tuple(t._version for t in watched)
+                job.watched = watched
+            except RuntimeError:  # an inference tensor has no version counter: copy it now
+                pass
+        jobs.append(job)
     return jobs
 
 
 def wait_pending() -> None:
     """Wait for this process's async save in flight and for the removal of replaced data files, if any
-    (``save`` and ``load`` call it first)."""
+    (``save`` and ``load`` call it first); raise the save's error unless its ``wait()`` already did."""
     global _pending, _cleanup
     if _pending is not None:
         handle, _pending = _pending, None
-        handle.wait()
+        if not handle._reported:
+            handle.wait()
     if _cleanup is not None:
         thread, _cleanup = _cleanup, None
         thread.join()
@@ -274,35 +344,82 @@ def _materialize(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _snapshot(plan: _Plan, jobs: list[_Job], threads: int = 1) -> None:
-    """Copy the boxes this rank writes into the plan's reused host buffer (pinned when on GPU), with ``threads``
-    threads copying slices of at most ``_COPY_SLICE`` bytes when there are several."""
+@dataclass
+class _Deferred:
+    """Background copies of an async save: (job, its host slot) pairs, ``threads`` copying, and on GPU the event
+    recorded on the saving thread's stream when ``save`` was called (the copies wait for it)."""
+
+    pairs: list[tuple[_Job, torch.Tensor]]
+    threads: int
+    ready: tuple[torch.device, Any] | None = None
+
+
+def _stage(plan: _Plan, jobs: list[_Job], threads: int = 1) -> tuple[list[_Job], _Deferred | list]:
+    """Give each job a slot in the plan's reused host buffer (pinned when on GPU); copy the jobs without a version
+    now, with ``threads`` threads, and return the others (to be copied in the background) as a :class:`_Deferred`
+    (an empty list when there are none). Each copied job reads from its slot afterwards."""
     sizes = [-(-_numel(j.lengths) * j.source.element_size() // _ALIGN) * _ALIGN for j in jobs]
     total = sum(sizes)
     on_gpu = torch.cuda.is_available() and any(j.source.is_cuda for j in jobs)
     if plan.staging is None or plan.staging.numel() != total or (on_gpu and not plan.staging.is_pinned()):
         plan.staging = torch.empty(total, dtype=torch.uint8, pin_memory=on_gpu)
-    copies = []
+    now, later = [], []
     offset = 0
     for job, size in zip(jobs, sizes):
         nbytes = _numel(job.lengths) * job.source.element_size()
         dst = plan.staging[offset:offset + nbytes].view(job.dtype).view(job.lengths)
+        (later if job.version is not None else now).append((job, dst))
+        offset += size
+    _copy(now, threads)
+    if not later:
+        return jobs, []
+    deferred = _Deferred(later, threads)
+    cuda = [job.source.device for job, _ in later if job.source.is_cuda]
+    if cuda:  # the background copies must see every write queued so far on this thread's stream
+        deferred.ready = (cuda[0], torch.cuda.current_stream(cuda[0]).record_event())
+    return jobs, deferred
+
+
+def _copy(pairs: list[tuple[_Job, torch.Tensor]], threads: int) -> None:
+    """Copy each job's source into its host slot (slices of at most ``_COPY_SLICE`` bytes shared among ``threads``
+    threads when there are several), then point the job at the slot."""
+    copies = []
+    for job, dst in pairs:
+        nbytes = dst.numel() * dst.element_size()
         if threads > 1 and job.source.is_contiguous() and nbytes > _COPY_SLICE and not job.source.is_cuda:
             flat_dst, flat_src = dst.reshape(-1), job.source.reshape(-1)
             step = max(1, _COPY_SLICE // job.source.element_size())
             copies += [(flat_dst[lo:lo + step], flat_src[lo:lo + step]) for lo in range(0, flat_dst.numel(), step)]
         else:
             copies.append((dst, job.source))
-        job.source = dst
-        offset += size
     if threads > 1 and len(copies) > 1:
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda c: c[0].copy_(c[1], non_blocking=True), copies))
     else:
         for dst, src in copies:
             dst.copy_(src, non_blocking=True)
-    if on_gpu:  # the copies to pinned memory are asynchronous: done before the writer reads them
-        torch.cuda.synchronize()
+    for device in {job.source.device for job, _ in pairs if job.source.is_cuda}:  # copies to pinned memory are
+        torch.cuda.current_stream(device).synchronize()  # asynchronous: wait for them
+    for job, dst in pairs:
+        job.source = dst
+
+
+def _copy_deferred(deferred: _Deferred) -> None:
+    """The background part of an async snapshot; raises if a source changed in place before it was copied."""
+    if deferred.ready is not None:  # GPU: copy on a side stream once the saving thread's earlier writes are done
+        device, event = deferred.ready
+        stream = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(event)
+            _copy(deferred.pairs, deferred.threads)
+    else:
+        _copy(deferred.pairs, deferred.threads)
+    changed = sorted({job.key for job, _ in deferred.pairs if tuple(t._version for t in job.watched) != job.version})
+    if changed:
+        raise CheckpointError(
+            f"{len(changed)} tensors were changed in place after save(async_save=True) returned and before they "
+            f"were copied: {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Only optimizer.step() "
+            "waits for the copy by itself; call handle.wait_snapshot() before changing them any other way")
 
 
 def _write(storage: Storage, name: str, jobs: list[_Job], compress: bool, pool: ThreadPoolExecutor) -> list[dict]:
@@ -350,14 +467,22 @@ def _write(storage: Storage, name: str, jobs: list[_Job], compress: bool, pool: 
 
 
 def _finish(handle: SaveHandle, comm: Comm, storage: Storage, save_id: str, jobs: list[_Job], values: dict,
-            tensors: dict, compress: bool, threads: int | None) -> None:
-    """Write, gather the records on every rank, commit on rank 0, and agree on the outcome (collective)."""
+            tensors: dict, compress: bool, threads: int | None, deferred: _Deferred | list) -> None:
+    """Finish the snapshot, write, gather the records on every rank, commit on rank 0, and agree on the outcome
+    (collective)."""
     records: list[dict] = []
     error = None
     name = data_file_name(save_id, comm.rank)
     size = 0
     try:
-        if jobs:
+        if deferred:
+            try:
+                _copy_deferred(deferred)
+            except CheckpointError as exc:
+                error = f"rank {comm.rank}: {exc}"
+            finally:
+                handle._snapshotted.set()
+        if jobs and error is None:
             with ThreadPoolExecutor(io_threads(threads, comm)) as pool:
                 records = _write(storage, name, jobs, compress, pool)
             size = storage.size(name)

@@ -42,6 +42,9 @@ class Flat:
     setters: dict[str, Callable[[Any], None]] = field(default_factory=dict)
     tensor_setters: dict[str, Callable[[Any], None]] = field(default_factory=dict)  # tensors of stateful objects
     finalizers: list[Callable[[], None]] = field(default_factory=list)
+    #: keys of tensors that only an optimizer step changes in place (trainable parameters, optimizer state): an
+    #: async save may copy these in the background until the next ``optimizer.step()``
+    stepped: set[str] = field(default_factory=set)
 
     def add_tensor(self, key: str, t: torch.Tensor) -> None:
         self._check_new(key)
@@ -189,8 +192,11 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
 
     def module(key: str, m: nn.Module) -> None:
         sd = m.state_dict()
+        trainable = {name for name, p in m.named_parameters() if p.requires_grad}
         for name, t in sd.items():
             flat.add_tensor(_join(key, name), t)
+            if name in trainable:
+                flat.stepped.add(_join(key, name))
         owned = {_local(t).data_ptr() for t in list(m.parameters()) + list(m.buffers())}
         if not all(_local(t).data_ptr() in owned for t in sd.values() if _local(t).numel()):
             flat.finalizers.append(lambda m=m, sd=sd: m.load_state_dict(sd))
@@ -209,6 +215,7 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
                     skey = _join(key, f"state.{name}.{sname}")
                     if isinstance(sval, torch.Tensor):
                         flat.add_tensor(skey, sval)
+                        flat.stepped.add(skey)
                     else:
                         flat.add_value(skey, sval, lambda v, st=opt.state[p], s=sname: st.__setitem__(s, v))
 
@@ -242,8 +249,10 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
                     for piece in pieces:  # TP-local box -> global box
                         piece.offsets = tuple(o + t for o, t in zip(piece.offsets, tp[0].offsets))
                     flat.add_boxes(skey, list(param.shape), sval.dtype, pieces)
+                    flat.stepped.add(skey)
                 elif isinstance(sval, torch.Tensor):
                     flat.add_tensor(skey, sval)
+                    flat.stepped.add(skey)
                 else:
                     flat.add_value(skey, sval, lambda v, e=sd["state"][fqn], s=sname: e.__setitem__(s, v))
         flat.finalizers.append(lambda opt=opt, sd=sd: opt.load_state_dict(sd))
