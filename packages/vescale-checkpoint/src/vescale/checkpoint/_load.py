@@ -28,6 +28,7 @@ import torch
 
 from vescale.checkpoint import _values
 from vescale.checkpoint._comm import Comm, io_threads
+from vescale.checkpoint._gc import collector_paused
 from vescale.checkpoint._layout import intersect, relative
 from vescale.checkpoint._local_read import byte_span, read_parts, release_buffer
 from vescale.checkpoint._reader import chunk_spans, read_metadata, read_shard, shard_nbytes, tensor_dtype
@@ -200,6 +201,7 @@ def _rounds(reads: list[_Read]) -> list[list[_Read]]:
     return rounds + ([current] if current else [])
 
 
+@collector_paused
 def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
          storage_options: dict[str, Any] | None = None, verify: bool = True, threads: int | None = None,
          dedup_reads: bool | None = None) -> LoadResult:

@@ -33,6 +33,7 @@ import torch
 from vescale.checkpoint import _values
 from vescale.checkpoint._comm import Comm, io_threads
 from vescale.checkpoint._crc import crc32
+from vescale.checkpoint._gc import collector_paused
 from vescale.checkpoint._layout import Piece, is_dtensor, local_pieces
 from vescale.checkpoint._state import Flat, flatten
 from vescale.checkpoint._storage import Storage
@@ -184,6 +185,7 @@ def _numel(lengths: tuple[int, ...]) -> int:
     return n
 
 
+@collector_paused
 def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = False, compress: bool = False,
          storage_options: dict[str, Any] | None = None, threads: int | None = None) -> SaveHandle:
     """Save ``state`` to the checkpoint directory ``path`` (local path or fsspec URL); collective over all ranks.
