@@ -1,15 +1,15 @@
 """Save on one layout and world size, load on another: values bitwise equal, training continues on the same curve.
 
 Layouts of a small model (embedding, two MLP linears, head, a 5-element gain that FSDP shards unevenly) and its
-AdamW state: ``single`` (one process), ``dp`` (DDP), ``tp`` (torch tensor parallel), ``dp_tp`` (2 x 2, TP
-replicated over dp), ``fsdp`` (FSDP2), ``fsdp_tp`` (FSDP2 over dp on top of TP: torch's _StridedShard), ``pp`` (two
-pipeline stages keeping the model's FQNs, each rank's stage given as a list of two chunk modules). The reference
-values are the saving side's full tensors (gathered with ``full_tensor``) written to a side safetensors file; the
-loaded values must equal them bitwise. Loads alternate between reading each shard once and sending it
-(``dedup_reads=True``, the multi-host path) and the default (every rank reads what it needs from the local page
-cache). Losses of two further training steps after the load must match the saving side's own next two losses
-within 1e-5 (relative): different layouts reduce in a different order, so this comparison uses a tolerance. Every
-layout but ``tp`` saves asynchronously, its next two training steps overlapping the save: the checkpoint must
+AdamW state, on 1, 2, 3, 4 and 8 ranks: ``single`` (one process), ``dp`` (DDP), ``tp`` (torch tensor parallel),
+``dp_tp`` (dp 2 x tp world/2, TP replicated over dp), ``fsdp`` (FSDP2), ``fsdp_tp`` (FSDP2 over dp on top of TP:
+torch's _StridedShard), ``pp`` (two pipeline stages keeping the model's FQNs, each rank's stage given as a list of
+two chunk modules). The reference values are the saving side's full tensors (gathered with ``full_tensor``) written
+to a side safetensors file; the loaded values must equal them bitwise. Loads alternate between reading each shard
+once and sending it (``dedup_reads=True``, the multi-host path) and the default (every rank reads what it needs from
+the local page cache). Losses of two further training steps after the load must match the saving side's own next two
+losses within 1e-5 (relative): different layouts reduce in a different order, so this comparison uses a tolerance.
+Every layout but ``tp`` saves asynchronously, its next two training steps overlapping the save: the checkpoint must
 still hold the values at save time.
 """
 
@@ -189,11 +189,15 @@ def _load_all(jobs: list[tuple[str, str]], root: str) -> list[str]:
     return done
 
 
-SAVES = {1: ["single"], 2: ["tp", "pp", "fsdp", "dp"], 4: ["dp_tp", "fsdp_tp", "tp"]}
+SAVES = {1: ["single"], 2: ["tp", "pp", "fsdp", "dp"], 4: ["dp_tp", "fsdp_tp", "tp"], 8: ["fsdp_tp"], 3: ["fsdp"]}
 LOADS = {
-    1: [("tp-2", "single"), ("pp-2", "single"), ("fsdp_tp-4", "single"), ("dp_tp-4", "single")],
+    1: [("tp-2", "single"), ("pp-2", "single"), ("fsdp_tp-4", "single"), ("dp_tp-4", "single"),
+        ("fsdp_tp-8", "single"), ("fsdp-3", "single")],
     2: [("dp_tp-4", "tp"), ("fsdp_tp-4", "pp"), ("single-1", "fsdp"), ("tp-4", "dp")],
-    4: [("single-1", "dp_tp"), ("tp-2", "fsdp_tp"), ("pp-2", "dp_tp"), ("fsdp-2", "tp"), ("dp-2", "fsdp_tp")],
+    3: [("fsdp_tp-8", "fsdp"), ("dp_tp-4", "fsdp")],  # uneven FSDP shards over 3 ranks
+    4: [("single-1", "dp_tp"), ("tp-2", "fsdp_tp"), ("pp-2", "dp_tp"), ("fsdp-2", "tp"), ("dp-2", "fsdp_tp"),
+        ("fsdp-3", "fsdp_tp")],
+    8: [("dp_tp-4", "fsdp"), ("fsdp-3", "dp_tp")],  # 5 gains over 8 FSDP ranks: some hold none
 }
 
 
