@@ -164,7 +164,7 @@ def pipeline_stages(model: torch.nn.Module, pp: int, microbatch: int, seq_len: i
     """
     import copy
 
-    from vescale.dtensor import is_deferred, materialize
+    from vescale.dtensor import adopt_deferred, is_deferred, materialize
     from vescale.parallel import parallelize_stage
     from vescale.pipe import capture, split
 
@@ -182,27 +182,13 @@ def pipeline_stages(model: torch.nn.Module, pp: int, microbatch: int, seq_len: i
             stages[i] = None
             continue
         if deferred:
-            _adopt_tensors(stage, model)
-            # Lend the stage the model's init record (what materialize reads) to replay its tensors' init.
-            stage._vescale_deferred = model._vescale_deferred
+            adopt_deferred(stage, model)  # the model's meta tensors by FQN, and its init record to replay
         if tp_mesh is not None:  # parallelize_module materialises a deferred stage straight into shards
             parallelize_stage(stage, tp_mesh, plan, embeddings)
         elif deferred:
             materialize(stage, device=device)
         stage.to(device)  # tensors the capture lifted out of forward (constants) are on the CPU
     return stages
-
-
-def _adopt_tensors(stage: torch.nn.Module, model: torch.nn.Module) -> None:
-    """Register in ``stage`` the parameter or buffer of ``model`` with the same FQN in place of each of its own."""
-    params, buffers = dict(model.named_parameters(remove_duplicate=False)), dict(model.named_buffers())
-    for fqn, _ in list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers()):
-        owner_name, _, leaf = fqn.rpartition(".")
-        owner = stage.get_submodule(owner_name)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = params[fqn]
-        elif fqn in buffers:  # the others are constants the capture lifted out of forward
-            owner._buffers[leaf] = buffers[fqn]
 
 
 def _move_graph_device(graph: torch.fx.Graph, old: torch.device, new: torch.device) -> None:

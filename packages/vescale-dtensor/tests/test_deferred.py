@@ -64,6 +64,44 @@ def test_full_materialize_equals_eager_gpt():
     assert torch.equal(m.inv_freq, ref.inv_freq)
 
 
+def test_adopted_part_materializes_its_tensors_bitwise():
+    """A part of a deferred model (a shadow copy without the head, holding uninitialised CPU tensors and a constant
+    buffer of its own) adopts the model's meta tensors and init record: materialising it gives exactly the
+    single-device values of those FQNs, keeps its own constant, and leaves the model deferred for other parts."""
+    import copy
+
+    from vescale.core.testing.models import GPT, GPTConfig
+    from vescale.dtensor import adopt_deferred, deferred_init, is_deferred, materialize
+    from vescale.dtensor import random as R
+    from vescale.dtensor.errors import DeferredInitError
+
+    cfg = GPTConfig(vocab_size=32, d_model=32, n_layer=2, n_head=4, tie_embeddings=False)
+    R.manual_seed(3)
+    model = deferred_init(GPT, cfg)
+    R.manual_seed(3)
+    with R.single_device():
+        ref = _state(GPT(cfg))
+    part = copy.deepcopy(model).to_empty(device="cpu")
+    del part.lm_head
+    part.register_buffer("lifted", torch.arange(4.0))  # a constant only the part has
+    assert adopt_deferred(part, model) is part
+    assert all(p.is_meta for p in part.parameters()) and is_deferred(part)
+    materialize(part)
+    got = _state(part)
+    assert torch.equal(got.pop("lifted"), torch.arange(4.0))
+    assert got and not any(k.startswith("lm_head") for k in got)
+    for k, v in got.items():
+        assert torch.equal(v, ref[k]), k
+    assert is_deferred(model) and model.lm_head.weight.is_meta
+
+    stray = copy.deepcopy(model).to_empty(device="cpu")
+    stray.extra = torch.nn.Linear(2, 2)
+    with pytest.raises(DeferredInitError, match=r"extra\.weight, extra\.bias"):
+        adopt_deferred(stray, model)
+    with pytest.raises(DeferredInitError, match="not built by deferred_init"):
+        adopt_deferred(part, part)
+
+
 def test_materialize_errors_name_the_fqn():
     import torch.nn as nn
 

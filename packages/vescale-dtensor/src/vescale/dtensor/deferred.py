@@ -27,7 +27,7 @@ from vescale.dtensor import random as _rng
 from vescale.dtensor.errors import DeferredInitError
 from vescale.dtensor.layout import contiguous_stride
 
-__all__ = ["deferred_init", "materialize", "is_deferred"]
+__all__ = ["deferred_init", "materialize", "is_deferred", "adopt_deferred"]
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -165,6 +165,41 @@ def deferred_init(fn: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn
 def is_deferred(module: nn.Module) -> bool:
     """Whether ``module`` came from :func:`deferred_init` and still has meta tensors to materialise."""
     return getattr(module, "_vescale_deferred", None) is not None
+
+
+def adopt_deferred(part: nn.Module, model: nn.Module) -> nn.Module:
+    """Make ``part`` materialisable as a piece of the :func:`deferred_init` model ``model``; return ``part``.
+
+    ``part`` is a module built from ``model`` whose parameters and buffers keep the model's FQNs (a pipeline stage
+    split from a shadow copy, some of its blocks). Each parameter of ``part``, and each buffer that ``model`` also
+    has, is replaced by ``model``'s meta tensor with the same FQN, tied tensors staying tied; other buffers of
+    ``part`` (constants a graph capture lifted out of ``forward``) are kept. ``part`` then shares ``model``'s init
+    record, so :func:`materialize` (or a vescale ``parallelize_module``) on ``part`` computes just its tensors,
+    bitwise the values of the single-device build. ``model`` stays deferred; several parts may be adopted.
+
+    Raises :class:`DeferredInitError` when ``model`` is not deferred (or already materialised) or a parameter FQN of
+    ``part`` is not one of ``model``'s, naming it, before changing anything.
+    """
+    storages = getattr(model, "_vescale_deferred", None)
+    if storages is None:
+        raise DeferredInitError(f"adopt_deferred: {type(model).__name__} was not built by deferred_init (or is "
+                                "already materialised)")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    own_params = [fqn for fqn, _ in part.named_parameters(remove_duplicate=False)]
+    unknown = [fqn for fqn in own_params if fqn not in params]
+    if unknown:
+        raise DeferredInitError(f"adopt_deferred: {type(part).__name__} has parameters that "
+                                f"{type(model).__name__} has not: {', '.join(unknown)}")
+    for fqn in own_params + [f for f, _ in part.named_buffers(remove_duplicate=False) if f in buffers]:
+        owner_name, _, leaf = fqn.rpartition(".")
+        owner = part.get_submodule(owner_name)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = params[fqn]
+        else:
+            owner._buffers[leaf] = buffers[fqn]
+    part._vescale_deferred = storages
+    return part
 
 
 # ------------------------------------------------------------------------------------------------------------ replay
