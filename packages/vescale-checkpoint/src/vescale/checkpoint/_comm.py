@@ -102,12 +102,14 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def exchange(self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Send ``sends[peer]`` (uint8) to each peer, receive ``recv_sizes[peer]`` bytes from each; point to point."""
-        received = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in recv_sizes.items() if n}
-        ops = [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sorted(sends.items()) if buf.numel()]
-        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in sorted(received.items())]
+    def exchange(self, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
+        """Point to point: send each tensor of ``sends[peer]`` to ``peer`` and receive into each tensor of
+        ``recvs[peer]`` from ``peer`` (contiguous CPU uint8 tensors); the i-th tensor a rank receives from a peer
+        is the i-th that peer sends it, so both sides list them in the same order and sizes."""
+        ops = [dist.P2POp(dist.isend, buf, peer, self.group)
+               for peer, bufs in sorted(sends.items()) for buf in bufs if buf.numel()]
+        ops += [dist.P2POp(dist.irecv, buf, peer, self.group)
+                for peer, bufs in sorted(recvs.items()) for buf in bufs if buf.numel()]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        return received

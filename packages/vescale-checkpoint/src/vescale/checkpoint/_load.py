@@ -332,50 +332,43 @@ def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, s
     if first:
         raise CorruptCheckpointError(first)
 
+    # Every part travels as its own message, in the order of the batch on both sides: sent straight from the shard
+    # when it is contiguous there, received straight into the target when that is a contiguous CPU tensor of the
+    # stored dtype (no packing, no unpacking, no buffers the size of everything sent).
     sends: dict[int, list[torch.Tensor]] = {}
-    recv_sizes: dict[int, int] = {}
-    for rd in batch:
-        itemsize = tensor_dtype(saved[rd.key]).itemsize
-        for r, _, inter in rd.needs:
-            if rd.reader == me and r != me:
-                shard, _, origin = data[id(rd)]
-                sends.setdefault(r, []).append(shard[relative(inter, origin)])
-            elif r == me and rd.reader != me:
-                recv_sizes[rd.reader] = recv_sizes.get(rd.reader, 0) + _aligned(_numel(inter[1]) * itemsize)
-    packed = {peer: _pack(parts) for peer, parts in sends.items()}
-    received = comm.exchange(packed, recv_sizes) if comm.world > 1 else {}
-    cursor = dict.fromkeys(received, 0)
+    recvs: dict[int, list[torch.Tensor]] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, received temporary)
     for rd in batch:
         dtype = tensor_dtype(saved[rd.key])
         for r, j, inter in rd.needs:
-            if r != me:
+            if not _numel(inter[1]):
                 continue
-            piece = pieces[rd.key][j]
-            target = piece.view[relative(inter, piece.offsets)]
-            if rd.reader == me:
-                shard, direct, origin = data[id(rd)]
-                if not direct:
-                    target.copy_(shard[relative(inter, origin)])
-            else:
-                n = _numel(inter[1]) * dtype.itemsize
-                start = cursor[rd.reader]
-                cursor[rd.reader] = start + _aligned(n)
-                target.copy_(received[rd.reader][start:start + n].view(dtype).reshape(inter[1]))
+            if rd.reader == me and r != me:
+                shard, _, origin = data[id(rd)]
+                sends.setdefault(r, []).append(_as_bytes(shard[relative(inter, origin)].contiguous()))
+            elif r == me:
+                piece = pieces[rd.key][j]
+                target = piece.view[relative(inter, piece.offsets)]
+                if rd.reader == me:
+                    shard, direct, origin = data[id(rd)]
+                    if not direct:
+                        target.copy_(shard[relative(inter, origin)])
+                    continue
+                if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+                    recvs.setdefault(rd.reader, []).append(_as_bytes(target))
+                else:
+                    temp = torch.empty(inter[1], dtype=dtype)
+                    recvs.setdefault(rd.reader, []).append(_as_bytes(temp))
+                    copies.append((target, temp))
+    if comm.world > 1:
+        comm.exchange(sends, recvs)
+    for target, temp in copies:
+        target.copy_(temp)
 
 
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    sizes = [p.numel() * p.element_size() for p in parts]
-    out = torch.empty(sum(_aligned(n) for n in sizes), dtype=torch.uint8)
-    offset = 0
-    for part, size in zip(parts, sizes):
-        out[offset:offset + size].view(part.dtype).view(part.shape).copy_(part)
-        offset += _aligned(size)
-    return out
-
-
-def _aligned(nbytes: int) -> int:
-    """Parts of an exchange buffer start on 8-byte boundaries so that each can be viewed as its dtype."""
-    return -(-nbytes // 8) * 8
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (the same memory)."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _numel(lengths: tuple[int, ...]) -> int:
