@@ -215,7 +215,7 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
         signature = json.dumps([comm.world, desc], separators=(",", ":"))
     except Exception as exc:  # noqa: BLE001 - bad input: every rank must learn of it, none may hang
         error = exc
-    early: tuple[list[_Job], list] | None = None
+    early: tuple[list[_Job], _Deferred | None] | None = None
     if async_save and error is None and _cached is not None and _cached.signature == signature:
         try:  # the cached plan holds here: snapshot now, while the ranks agree that it holds everywhere
             early = _stage(_cached, _jobs(_cached, pieces, dtypes, flat.stepped, tensors), io_threads(threads, comm))
@@ -235,7 +235,7 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
     save_id = f"{nonce:016x}"
     storage = Storage(path, storage_options)
     storage.makedirs()
-    deferred: list = []
+    deferred: _Deferred | None = None
     if async_save:
         if early is None:
             early = _stage(plan, _jobs(plan, pieces, dtypes, flat.stepped, tensors), io_threads(threads, comm))
@@ -253,12 +253,12 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
         return handle
     handle._finished = threading.Event()
     handle._snapshotted = threading.Event()
-    if not deferred:
+    if deferred is None:
         handle._snapshotted.set()
     else:
         _install_fence()
     _pending = handle
-    _in_background(_finish, args, handle._finished)
+    _in_background(_finish, args, handle)
     return handle
 
 
@@ -280,25 +280,25 @@ def _fence(optimizer, args, kwargs) -> None:
         handle.fence_wait_s += time.perf_counter() - t0
 
 
-def _in_background(fn, args: tuple, finished: threading.Event) -> None:
-    """Run ``fn(*args)`` on this process's save thread, then set ``finished``. The thread is started once and kept:
+def _in_background(fn, args: tuple, handle: SaveHandle) -> None:
+    """Run ``fn(*args)`` on this process's save thread, then mark ``handle`` snapshotted (never leaving an optimizer
+    step waiting, whatever ``fn`` did) and finished. The thread is started once and kept:
     starting one per save would make ``save`` wait until the new thread first runs, which on a busy host is long."""
     global _worker
     if _worker is None or not _worker.is_alive():
         _worker = threading.Thread(target=_serve, name="vescale-checkpoint-save", daemon=True)
         _worker.start()
-    _work.put((fn, args, finished))
+    _work.put((fn, args, handle))
 
 
 def _serve() -> None:
     while True:
-        fn, args, finished = _work.get()
+        fn, args, handle = _work.get()
         try:
             fn(*args)  # _finish keeps its own errors on the handle
         finally:
-            if args[0]._snapshotted is not None:
-                args[0]._snapshotted.set()  # never leave an optimizer step waiting
-            finished.set()
+            handle._snapshotted.set()
+            handle._finished.set()
 
 
 def _jobs(plan: _Plan, pieces: dict[str, list[Piece]], dtypes: dict[str, torch.dtype], stepped: set[str],
@@ -356,10 +356,10 @@ class _Deferred:
     ready: tuple[torch.device, Any] | None = None
 
 
-def _stage(plan: _Plan, jobs: list[_Job], threads: int = 1) -> tuple[list[_Job], _Deferred | list]:
+def _stage(plan: _Plan, jobs: list[_Job], threads: int = 1) -> tuple[list[_Job], _Deferred | None]:
     """Give each job a slot in the plan's reused host buffer (pinned when on GPU); copy the jobs without a version
     now, with ``threads`` threads, and return the others (to be copied in the background) as a :class:`_Deferred`
-    (an empty list when there are none). Each copied job reads from its slot afterwards."""
+    (None when there are none). Each copied job reads from its slot afterwards."""
     sizes = [-(-_numel(j.lengths) * j.source.element_size() // _ALIGN) * _ALIGN for j in jobs]
     total = sum(sizes)
     on_gpu = torch.cuda.is_available() and any(j.source.is_cuda for j in jobs)
@@ -374,7 +374,7 @@ def _stage(plan: _Plan, jobs: list[_Job], threads: int = 1) -> tuple[list[_Job],
         offset += size
     _copy(now, threads)
     if not later:
-        return jobs, []
+        return jobs, None
     deferred = _Deferred(later, threads)
     cuda = [job.source.device for job, _ in later if job.source.is_cuda]
     if cuda:  # the background copies must see every write queued so far on this thread's stream
@@ -469,7 +469,7 @@ def _write(storage: Storage, name: str, jobs: list[_Job], compress: bool, pool: 
 
 
 def _finish(handle: SaveHandle, comm: Comm, storage: Storage, save_id: str, jobs: list[_Job], values: dict,
-            tensors: dict, compress: bool, threads: int | None, deferred: _Deferred | list) -> None:
+            tensors: dict, compress: bool, threads: int | None, deferred: _Deferred | None) -> None:
     """Finish the snapshot, write, gather the records on every rank, commit on rank 0, and agree on the outcome
     (collective)."""
     records: list[dict] = []
@@ -477,7 +477,7 @@ def _finish(handle: SaveHandle, comm: Comm, storage: Storage, save_id: str, jobs
     name = data_file_name(save_id, comm.rank)
     size = 0
     try:
-        if deferred:
+        if deferred is not None:
             try:
                 _copy_deferred(deferred)
             except CheckpointError as exc:

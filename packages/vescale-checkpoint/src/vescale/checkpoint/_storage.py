@@ -220,11 +220,11 @@ def _write_direct(path: str, segments: Sequence[memoryview], pool: ThreadPoolExe
         os.ftruncate(fd, total)
         os.fsync(fd)
     except OSError as exc:
-        os.close(fd)
         if exc.errno == errno.EINVAL:  # accepted at open, refused when writing: the caller rewrites it buffered
             return False
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
     return True
 
 
