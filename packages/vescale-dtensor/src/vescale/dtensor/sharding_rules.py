@@ -62,11 +62,24 @@ def _attention_strategies(op_schema: OpSchema, outputs: int, inputs: int) -> lis
     return strategies
 
 
-def _no_empty_heads(heads: tuple[int, ...]) -> Callable[[list, object], bool]:
+def _current_mask_placements(op_schema: OpSchema) -> tuple | None:
+    """The placements the ``attn_mask`` keyword has now (None without a DTensor mask)."""
+    mask = op_schema.kwargs_schema.get("attn_mask")
+    if not isinstance(mask, OpStrategy):
+        return None
+    return tuple(mask.strategies[0].output_spec.placements)
+
+
+def _valid_strategy(op_schema: OpSchema, heads: tuple[int, ...]) -> Callable[[list, object], bool]:
     """A strategy filter: refuse head sharding that leaves a rank without heads (torch's CPU kernel then dies of
-    SIGFPE). Shards follow ``torch.chunk``: 6 heads over 4 ranks are 2, 2, 2, 0."""
+    SIGFPE; shards follow ``torch.chunk``: 6 heads over 4 ranks are 2, 2, 2, 0), and any strategy that needs the
+    ``attn_mask`` in another layout than it has: DTensor's dispatcher does not redistribute keyword arguments, so the
+    kernel would get the mask as it is (a wrong broadcast, not only a shape error, when a rank's batch is 1)."""
+    mask_now = _current_mask_placements(op_schema)
 
     def valid(input_specs: list, output_specs: object) -> bool:
+        if mask_now is not None and tuple(input_specs[-1].placements) != mask_now:
+            return False
         spec = input_specs[0]  # q (grad_out in backward): all tensors of a strategy share batch/head placements
         for n in heads:
             for mesh_dim, placement in enumerate(spec.placements):
@@ -98,7 +111,7 @@ def _cpu_flash_attention_strategy(op_schema: OpSchema) -> OpStrategy:
     mesh = op_schema.get_mesh_from_args()
     return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 2, 3), input_index=2,
                                            allow_uneven_sharding=True,
-                                           is_valid_strategy_cb=_no_empty_heads(_heads(op_schema, 0)))
+                                           is_valid_strategy_cb=_valid_strategy(op_schema, _heads(op_schema, 0)))
 
 
 @register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
@@ -110,4 +123,4 @@ def _cpu_flash_attention_backward_strategy(op_schema: OpSchema) -> OpStrategy:
     mesh = op_schema.get_mesh_from_args(validate=False)
     return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 3, 6), input_index=3,
                                            allow_uneven_sharding=True,
-                                           is_valid_strategy_cb=_no_empty_heads(_heads(op_schema, 1)))
+                                           is_valid_strategy_cb=_valid_strategy(op_schema, _heads(op_schema, 1)))

@@ -29,6 +29,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
+from vescale.parallel.model_calls import CORRECTED_FUNCTIONS, correct_call, mark_unwritten
+
 __all__ = ["FactoryCapture", "FACTORY_FUNCTIONS", "capture_suspended", "compiled_region"]
 
 _suspended = 0
@@ -80,6 +82,10 @@ class FactoryCapture(TorchFunctionMode):
         self._functions = FACTORY_FUNCTIONS if aten else _TORCH_FACTORIES
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
+        if not _suspended and func in CORRECTED_FUNCTIONS:
+            handled, out, args, kwargs = correct_call(func, args, kwargs or {})
+            if handled:
+                return out
         out = func(*args, **(kwargs or {}))
         if _suspended or func not in self._functions:
             return out
@@ -87,6 +93,7 @@ class FactoryCapture(TorchFunctionMode):
             return out  # a compiled graph's own ops, or AOT tracing one: captured when dynamo traced it
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
             out = DTensor.from_local(out, self.device_mesh, self._replicate, run_check=False)
+            mark_unwritten(out)
         return out
 
 

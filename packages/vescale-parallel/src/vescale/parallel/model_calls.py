@@ -1,0 +1,188 @@
+"""Calls of model code that DTensor would get wrong or refuse, corrected so that they compute what one device computes.
+
+:class:`~vescale.parallel.factory.FactoryCapture` (the mode a parallelized root runs its ``forward`` under) hands
+every call of a function in :data:`CORRECTED_FUNCTIONS` to :func:`correct_call` first. Each correction is exact (the
+plain op's result, or the same layout choice DTensor would make with more information); none issues a collective
+beyond what the op itself needs. They exist because an unmodified model called the way its users call it
+(``use_cache=True``, padding masks, ``labels=``) reaches these cases:
+
+* ``torch.cat`` with a legacy empty input (1-d, size 0): the plain op skips it, DTensor's rule fails on it
+  (Hugging Face's ``DynamicLayer`` grows its cache from ``torch.tensor([])``).
+* An in-place write (``index_copy_``, ``copy_``, ``__setitem__``) from a sharded tensor into a captured factory tensor
+  that was never written: the destination takes the source's layout first (``StaticCache`` buffers then hold each
+  rank's own heads instead of a replicated copy).
+* ``F.scaled_dot_product_attention`` with a DTensor ``attn_mask``: the mask is brought to the query's batch/head
+  layout, because DTensor never redistributes keyword arguments.
+* ``F.cross_entropy`` / ``F.nll_loss`` with ``reduction="mean"`` on a target sharded over some mesh dim: torch's rule
+  averages the per-rank means, which differs from the mean whenever ranks hold different numbers of ignored targets
+  (padding) or of class weight. It is computed as the sharded sum over the sharded count of what counts.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+__all__ = ["CORRECTED_FUNCTIONS", "correct_call", "mark_unwritten"]
+
+_CAT_FUNCTIONS = frozenset({torch.cat, torch.concat, torch.concatenate})
+
+
+def _is_legacy_empty(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == 0
+
+
+def _drop_legacy_empty(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``torch.cat``'s arguments without its legacy empty inputs (1-d, size 0) when other inputs have more dims.
+
+    Plain ``torch.cat`` skips such inputs (a cache grown from ``torch.tensor([])``, as Hugging Face's
+    ``DynamicLayer`` does); DTensor's cat rule does not, and fails on them once the placeholder is captured as a
+    replicated DTensor. Dropping them is exactly the plain op's result.
+    """
+    tensors = args[0] if args else kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not any(map(_is_legacy_empty, tensors)):
+        return args, kwargs
+    kept = [t for t in tensors if not _is_legacy_empty(t)]
+    if not kept or all(t.dim() == 1 for t in kept):
+        return args, kwargs  # only 1-d inputs: the plain rule applies as it is
+    if args:
+        return (kept, *args[1:]), kwargs
+    return args, {**kwargs, "tensors": kept}
+
+
+def _mask_like_query(args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with a DTensor ``attn_mask`` laid out like the query: sharded on the batch / heads where the query
+    is and the mask has that dim in full (it broadcasts from the right against ``(batch, heads, q_len, kv_len)``),
+    replicated elsewhere.
+
+    DTensor's dispatcher never redistributes keyword arguments (torch skips them on purpose), and ``attn_mask`` is
+    keyword-only in the attention kernels: a mask built from a batch-sharded padding mask but replicated by the ops
+    that built it would reach the kernel whole while the query holds this rank's rows. Bringing it to the query's
+    layout here, where the mask is still an argument of the Python call, is what the kernel's sharding rule assumes
+    (and that rule refuses a strategy whose mask layout differs from the mask's own, rather than compute with it).
+    """
+    query = args[0] if args else kwargs.get("query")
+    mask = kwargs.get("attn_mask")
+    if not (isinstance(query, DTensor) and isinstance(mask, DTensor)) or mask.device_mesh != query.device_mesh:
+        return kwargs
+    target = []
+    for p in query.placements:
+        dim = p.dim - (query.ndim - mask.ndim) if isinstance(p, Shard) and p.dim in (0, 1) else -1
+        target.append(Shard(dim) if dim >= 0 and mask.shape[dim] != 1 else Replicate())
+    if tuple(target) != tuple(mask.placements):
+        kwargs = {**kwargs, "attn_mask": mask.redistribute(mask.device_mesh, target)}
+    return kwargs
+
+
+# Captured factory results not yet written in place. Their values are a pure function of the call (every rank holds
+# the same constant), so any placement of them is exact: the first in-place write from a sharded tensor may give them
+# its layout (see _adopt_layout_of_first_write).
+_unwritten: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor (tensors compare by value)
+
+_WRITE_FUNCTIONS = frozenset({torch.Tensor.index_copy_, torch.Tensor.copy_, torch.Tensor.__setitem__})
+
+
+def _written_dims(func, args: tuple, ndim: int) -> set[int] | None:
+    """The dims of the destination an in-place write indexes (not written in full), or None if unknown."""
+    if func is torch.Tensor.copy_:
+        return set()
+    if func is torch.Tensor.index_copy_:
+        return {args[1] % ndim} if isinstance(args[1], int) else None
+    key = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if any(k is Ellipsis or k is None for k in key) or len(key) > ndim:
+        return None
+    return {d for d, k in enumerate(key) if not (isinstance(k, slice) and k == slice(None))}
+
+
+def _adopt_layout_of_first_write(func, args: tuple) -> None:
+    """Reshard a captured, never-written replicated factory tensor to the layout of the sharded tensor written into it.
+
+    A Hugging Face ``StaticCache`` allocates its key/value buffers with ``torch.zeros`` inside ``forward`` (global
+    shape, so captured replicated) and fills them with ``index_copy_`` from head-sharded keys. Without this each rank
+    would hold the whole cache and DTensor would all-gather the keys into it; with it each rank holds its own heads,
+    as a cache grown by ``torch.cat`` does. Only dims the write covers in full may take the source's sharding, and
+    Replicate -> Shard is a local slice, so no collective is issued and the values stay exact.
+    """
+    source_at = {torch.Tensor.copy_: 1, torch.Tensor.__setitem__: 2, torch.Tensor.index_copy_: 3}[func]
+    if len(args) <= source_at:
+        return
+    dst, src = args[0], args[source_at]
+    if not (isinstance(dst, DTensor) and _unwritten.get(id(dst)) is dst and isinstance(src, DTensor)):
+        return
+    del _unwritten[id(dst)]
+    if (src.device_mesh != dst.device_mesh or src.ndim != dst.ndim
+            or not all(isinstance(p, Replicate) for p in dst.placements)):
+        return
+    indexed = _written_dims(func, args, dst.ndim)
+    if indexed is None or not any(isinstance(p, Shard) for p in src.placements):
+        return
+    for p in src.placements:
+        if not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and (
+                p.dim in indexed or dst.shape[p.dim] != src.shape[p.dim])):
+            return
+    resharded = dst.redistribute(dst.device_mesh, src.placements)
+    # The one place vescale changes a DTensor's layout in place: the buffer's owner (a cache layer) keeps a reference
+    # to this very object, so a new DTensor would not reach it. Global shape and values are unchanged.
+    dst._local_tensor = resharded._local_tensor
+    dst._spec = resharded._spec
+
+
+def mark_unwritten(tensor: DTensor) -> None:
+    """Record a freshly captured factory result: its first in-place write may give it the writer's layout."""
+    _unwritten[id(tensor)] = tensor
+
+
+_LOSSES = frozenset({F.cross_entropy, F.nll_loss})
+
+
+def _mean_over_sharded_target(func, args: tuple, kwargs: dict) -> Any:
+    """``func(..., reduction="mean")`` as (sum of the losses) / (sum of what counts), or ``None`` to leave the call.
+
+    Applies when the input is a DTensor and the target a DTensor sharded on some mesh dim. What counts is torch's
+    denominator for the mean: each target not equal to ``ignore_index``, weighted by ``weight[target]`` when class
+    weights are given (label smoothing keeps the same denominator). Both sums are sharded reductions (``Partial``),
+    so the division sees the global totals, as one device does.
+    """
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    inp, target = bound.get("input"), bound.get("target")
+    if bound.get("reduction", "mean") != "mean" or bound.get("size_average") is not None or \
+            bound.get("reduce") is not None:
+        return None
+    if not (isinstance(inp, DTensor) and isinstance(target, DTensor) and target.dtype in (torch.int64, torch.int32)
+            and any(isinstance(p, Shard) for p in target.placements)):
+        return None  # probabilities as targets, or a replicated target: torch's rule is exact there
+    ignore = bound.get("ignore_index", -100)
+    weight = bound.get("weight")
+    counted = target != ignore
+    if weight is None:
+        denominator = counted.sum(dtype=inp.dtype)
+    else:
+        picked = weight[torch.where(counted, target, torch.zeros_like(target))]
+        denominator = torch.where(counted, picked, torch.zeros_like(picked)).sum()
+    total = func(**{**bound, "reduction": "sum"})
+    return total / denominator
+
+
+CORRECTED_FUNCTIONS: frozenset = _CAT_FUNCTIONS | _WRITE_FUNCTIONS | _LOSSES | {F.scaled_dot_product_attention}
+
+
+def correct_call(func, args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dict]:
+    """``(handled, result, args, kwargs)``: the corrected result if the call was computed here, else the (possibly
+    adjusted) arguments to call ``func`` with."""
+    if func in _CAT_FUNCTIONS:
+        args, kwargs = _drop_legacy_empty(args, kwargs)
+    elif func in _WRITE_FUNCTIONS:
+        _adopt_layout_of_first_write(func, args)
+    elif func is F.scaled_dot_product_attention:
+        kwargs = _mask_like_query(args, kwargs)
+    elif func in _LOSSES:
+        out = _mean_over_sharded_target(func, args, kwargs)
+        if out is not None:
+            return True, out, args, kwargs
+    return False, None, args, kwargs
