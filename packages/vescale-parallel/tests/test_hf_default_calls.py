@@ -82,13 +82,14 @@ def test_default_calls_match_single_device(world_size):
         torch.testing.assert_close(logits, ref_logits[mine], rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
 
-        # output_hidden_states: every layer's hidden states, plain tensors of this rank's rows.
+        # output_hidden_states: every layer's hidden states as plain tensors; the plan names no entry for them, so
+        # they are the full tensors (every data-parallel rank's rows), as the root's default says.
         hidden = par(input_ids=ids[mine], output_hidden_states=True).hidden_states
         ref_hidden = ref(input_ids=ids, output_hidden_states=True).hidden_states
         assert len(hidden) == len(ref_hidden) == config.num_hidden_layers + 1
         for h, r in zip(hidden, ref_hidden):
             assert type(h) is torch.Tensor
-            torch.testing.assert_close(h, r[mine], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(h, r, rtol=RTOL, atol=ATOL)
 
         # explicit position_ids (shifted, as for a continued sequence)
         pos = torch.arange(3, 11).expand(ids.shape[0], -1)

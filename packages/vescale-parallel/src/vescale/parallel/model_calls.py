@@ -13,6 +13,8 @@ beyond what the op itself needs. They exist because an unmodified model called t
   rank's own heads instead of a replicated copy).
 * ``F.scaled_dot_product_attention`` with a DTensor ``attn_mask``: the mask is brought to the query's batch/head
   layout, because DTensor never redistributes keyword arguments.
+* Indexing a DTensor with a Python list or a plain tensor (``x[:, [-1, 0]]``): the index becomes a replicated
+  DTensor, as a captured factory result would be.
 * ``F.cross_entropy`` / ``F.nll_loss`` with ``reduction="mean"`` on a target sharded over some mesh dim: torch's rule
   averages the per-rank means, which differs from the mean whenever ranks hold different numbers of ignored targets
   (padding) or of class weight. It is computed as the sharded sum over the sharded count of what counts.
@@ -169,7 +171,34 @@ def _mean_over_sharded_target(func, args: tuple, kwargs: dict) -> Any:
     return total / denominator
 
 
-CORRECTED_FUNCTIONS: frozenset = _CAT_FUNCTIONS | _WRITE_FUNCTIONS | _LOSSES | {F.scaled_dot_product_attention}
+def _index_as_dtensors(args: tuple) -> tuple:
+    """``dtensor[key]`` arguments with list and plain-tensor indices made replicated DTensors on its mesh.
+
+    ``x[:, [-1, 0]]`` makes torch build the index tensor inside the op, out of the capture's sight, and DTensor then
+    refuses the mix. The index is the same on every rank (it is the program's constant), so replicated is exact.
+    """
+    if len(args) < 2 or not isinstance(args[0], DTensor):
+        return args
+    self, key = args[0], args[1]
+    parts = key if isinstance(key, tuple) else (key,)
+
+    def lift(k: Any) -> Any:
+        if isinstance(k, list):
+            k = torch.tensor(k, device=self.device_mesh.device_type)
+        if isinstance(k, torch.Tensor) and not isinstance(k, DTensor):
+            return DTensor.from_local(k, self.device_mesh, [Replicate()] * self.device_mesh.ndim, run_check=False)
+        return k
+
+    lifted = tuple(lift(k) for k in parts)
+    if all(a is b for a, b in zip(lifted, parts)):
+        return args
+    return (self, lifted if isinstance(key, tuple) else lifted[0], *args[2:])
+
+
+_INDEX_FUNCTIONS = frozenset({torch.Tensor.__getitem__})
+
+CORRECTED_FUNCTIONS: frozenset = (_CAT_FUNCTIONS | _WRITE_FUNCTIONS | _LOSSES | _INDEX_FUNCTIONS
+                                  | {F.scaled_dot_product_attention})
 
 
 def correct_call(func, args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dict]:
@@ -179,6 +208,10 @@ def correct_call(func, args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dic
         args, kwargs = _drop_legacy_empty(args, kwargs)
     elif func in _WRITE_FUNCTIONS:
         _adopt_layout_of_first_write(func, args)
+        if func is torch.Tensor.__setitem__:
+            args = _index_as_dtensors(args)
+    elif func in _INDEX_FUNCTIONS:
+        args = _index_as_dtensors(args)
     elif func is F.scaled_dot_product_attention:
         kwargs = _mask_like_query(args, kwargs)
     elif func in _LOSSES:

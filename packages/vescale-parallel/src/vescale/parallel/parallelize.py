@@ -52,7 +52,7 @@ from vescale.core.errors import PlanError
 from vescale.core.fqn import match_plan
 from vescale.dtensor import distribute_tensor, is_deferred, materialize
 from vescale.parallel.compile import install_compilable_embeddings
-from vescale.parallel.factory import FactoryCapture
+from vescale.parallel.factory import FactoryCapture, capture_suspended
 from vescale.parallel.local import make_local
 from vescale.parallel.report import PlanEntry, PlanReport
 
@@ -303,9 +303,8 @@ def _fmt_spec(spec) -> str:
 class _RootState:
     """Per-root bookkeeping: the factory-capture mode is entered on the outermost call only."""
 
-    def __init__(self, mesh, aten: bool, batch_dims: frozenset[int], outputs_by_key: bool) -> None:
+    def __init__(self, mesh, aten: bool, outputs_by_key: bool) -> None:
         self.mesh, self.aten = mesh, aten
-        self.batch_dims = batch_dims  # mesh dims on which the root's inputs are batch-sharded (Shard(0))
         self.outputs_by_key = outputs_by_key  # the root's output entry names outputs by key
         self.depth = 0
         self.mode: FactoryCapture | None = None
@@ -328,8 +327,7 @@ def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: 
             mods[fqn].register_forward_hook(functools.partial(_output_hook, mesh=mesh, spec=spec, fqn=fqn))
     # a root that runs an exported graph (a pipeline stage) calls aten factories directly; others call torch.*
     runs_graph = any(isinstance(v, torch.fx.GraphModule) for v in (module, *vars(module).values()))
-    root_in, root_out = inputs.get("", (None, None))[1], outputs.get("", (None, None))[1]
-    state = _RootState(mesh, aten=runs_graph, batch_dims=_batch_dims(root_in), outputs_by_key=isinstance(root_out, dict))
+    state = _RootState(mesh, aten=runs_graph, outputs_by_key=isinstance(outputs.get("", (None, None))[1], dict))
     module.register_forward_pre_hook(
         functools.partial(_root_pre_hook, state=state, spec=inputs.get("", (None, None))[1]), with_kwargs=True)
     module.register_forward_hook(
@@ -355,6 +353,12 @@ def _convert(x: Any, mesh, placements, *, where: str) -> Any:
 
 
 def _redistribute(x: DTensor, mesh, placements: tuple) -> DTensor:
+    # torch's redistribution code calls factories (torch.arange for interleaved offsets): they must stay plain
+    with capture_suspended():
+        return _redistribute_uncaptured(x, mesh, placements)
+
+
+def _redistribute_uncaptured(x: DTensor, mesh, placements: tuple) -> DTensor:
     if mesh.ndim > 1 and any(isinstance(p, Partial) and type(p) is not Partial for p in x.placements):
         # torch mis-applies the embedding's masked-partial layout when one redistribute also changes other mesh
         # dims (it reshards the batch before applying the mask): reduce it on its own dim first.
@@ -466,7 +470,7 @@ def _root_post_hook(module: nn.Module, args: tuple, out: Any, *, state: _RootSta
     if spec is not None:
         out = _apply_outputs(out, spec, state.mesh, "")
         planned = dict(spec.items() if isinstance(spec, dict) else enumerate(spec))
-    out = _to_boundary(out, planned, state.batch_dims)
+    out = _to_boundary(out, planned)
     if state.depth == 0 and state.as_tuple and hasattr(out, "to_tuple"):
         state.as_tuple = False
         out = out.to_tuple()
@@ -477,46 +481,33 @@ def _is_plain(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 
-def _batch_dims(spec: Any) -> frozenset[int]:
-    """Mesh dims on which the root entry ``spec`` shards some input on dim 0 (each such rank passes its own batch)."""
-    if spec is None:
-        return frozenset()
-    entries = spec.values() if isinstance(spec, dict) else spec
-    return frozenset(i for placements in entries if placements is not None
-                     for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0)
+def _boundary_one(x: Any, key: Any, planned: dict) -> Any:
+    """One root output: kept as a DTensor (entry ``None``), local piece (entry given), or full tensor (no entry).
 
-
-def _boundary_one(x: Any, key: Any, planned: dict, batch_dims: frozenset[int]) -> Any:
-    """One root output: kept as a DTensor (entry ``None``), local piece (entry given), or the default (no entry).
-
-    The default is the full tensor, except on the root's batch mesh dims (see :func:`_batch_dims`), where an output
-    sharded on its dim 0 stays this rank's batch, as the inputs were. Tuples and lists of tensors
-    (``hidden_states``) and nested mappings get the default for each element; other objects (a KV cache holding
-    DTensors, fed back on the next call) pass unchanged.
+    Tuples and lists (``hidden_states``) and nested mappings get the default for each element; other objects (a KV
+    cache holding DTensors, fed back on the next call) pass unchanged.
     """
     if key in planned and isinstance(x, DTensor):
         return x if planned[key] is None else x.to_local()
     if isinstance(x, DTensor):
-        mesh = x.device_mesh
-        target = [p if i in batch_dims and p == Shard(0) else Replicate() for i, p in enumerate(x.placements)]
-        return x.redistribute(mesh, target).to_local()
+        return _redistribute(x, x.device_mesh, (Replicate(),) * x.device_mesh.ndim).to_local()
     if isinstance(x, (tuple, list)) and any(isinstance(v, (DTensor, Mapping, tuple, list)) for v in x):
-        items = [_boundary_one(v, None, {}, batch_dims) for v in x]
+        items = [_boundary_one(v, None, {}) for v in x]
         return type(x)(items) if isinstance(x, list) else tuple(items)
-    if isinstance(x, Mapping) and not isinstance(x, torch.Tensor):
-        return _to_boundary(x, {}, batch_dims)
+    if isinstance(x, Mapping):
+        return _to_boundary(x, {})
     return x
 
 
-def _to_boundary(out: Any, planned: dict, batch_dims: frozenset[int]) -> Any:
+def _to_boundary(out: Any, planned: dict) -> Any:
     """Root outputs as plain tensors (see :func:`parallelize_module`); ``planned`` maps output keys to entries."""
     if isinstance(out, torch.Tensor):
-        return _boundary_one(out, 0, planned, batch_dims)
+        return _boundary_one(out, 0, planned)
     if isinstance(out, Mapping):
         for key in list(out.keys()):
-            out[key] = _boundary_one(out[key], key, planned, batch_dims)
+            out[key] = _boundary_one(out[key], key, planned)
         return out
     if isinstance(out, (tuple, list)):
-        items = [_boundary_one(x, i, planned, batch_dims) for i, x in enumerate(out)]
+        items = [_boundary_one(x, i, planned) for i, x in enumerate(out)]
         return type(out)(items) if isinstance(out, list) else tuple(items)
     return out
