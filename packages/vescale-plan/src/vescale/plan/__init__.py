@@ -1,7 +1,8 @@
 """vescale.plan: automatic TP/SP/PP plans and mesh choice for unmodified models.
 
 :func:`auto_plan` derives a ``parallelize_module`` plan from a model's traced structure on the meta device;
-:func:`explain` prints it with the reason behind every placement; :func:`auto_parallelize` chooses the mesh, ZeRO
+:func:`explain` prints it with the reason behind every placement (:func:`verify_pairs` checks its column/row pairs
+numerically on a simulated mesh before :func:`auto_plan` returns); :func:`auto_parallelize` chooses the mesh, ZeRO
 stage and pipeline split with a cost model and applies them.
 """
 
@@ -20,8 +21,9 @@ from vescale.plan.cost import CostEstimate, HardwareModel, estimate
 from vescale.plan.explain import explain
 from vescale.plan.pipeline import PipelineSplit, pipeline_split
 from vescale.plan.trace import ModelTrace, TraceError, trace_model
+from vescale.plan.verify import PairCheck, verify_pairs
 
 __all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace", "explain", "auto_parallelize",
            "choose_parallelism", "ParallelReport", "ParallelResult",
            "language_model_loss", "CostEstimate", "HardwareModel", "estimate", "PipelineSplit",
-           "pipeline_split", "CommCounter", "trace_model", "ModelTrace", "TraceError"]
+           "pipeline_split", "CommCounter", "trace_model", "ModelTrace", "TraceError", "verify_pairs", "PairCheck"]

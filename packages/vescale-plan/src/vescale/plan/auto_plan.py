@@ -4,8 +4,11 @@ The model is traced on the meta device (:mod:`.trace`); the data flow between ma
 
 * **column / row pairs** (Megatron): a matmul ``R`` whose activation input comes only from matmuls ``C1..Ck`` whose
   outputs go nowhere but ``R`` - attention (q, k, v -> o), MLPs (gate, up -> down), GPT-2's fused ``c_attn`` ->
-  ``c_proj``. The ``Ci`` are sharded on their output dim (``InterleavedShard`` when their output is split into equal
-  parts: fused qkv / gate_up), ``R`` on its input dim; the pair needs one reduction of ``R``'s output.
+  ``c_proj``. The ``Ci`` are sharded on their output dim as their layout evidence allows (:mod:`.evidence`: plain
+  ``Shard`` between whole heads/groups - GPT-NeoX's ``[heads, 3, d]`` too -, ``InterleavedShard`` inside equal fused
+  parts such as GPT-2's ``[3, heads, d]`` or a fused gate/up, replicated when the trace does not settle it), ``R`` on
+  its input dim; the pair needs one reduction of ``R``'s output. :func:`auto_plan` then checks every pair type
+  numerically (:mod:`.verify`) and refuses (replicates) those whose sharded result differs from the plain one.
 * **vocab-parallel embedding**: an embedding indexed by a model input (token ids), sharded on the vocabulary.
 * **output head**: a matmul whose output is a model output and feeds no other matmul (the lm head, tied or not),
   sharded on the vocabulary; its logits are all-gathered at the root (or kept sharded, ``loss_parallel``).
@@ -31,7 +34,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from vescale.core.errors import MeshError
 from vescale.dtensor import InterleavedShard
-from vescale.plan.trace import MatmulEvent, ModelTrace, ModuleCall, TraceError, trace_model
+from vescale.plan.evidence import decide
+from vescale.plan.trace import ModelTrace, TraceError, _tree_trace, trace_model
+from vescale.plan.verify import PairCheck, verify_pairs
 
 __all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace"]
 
@@ -51,17 +56,25 @@ class Decision:
 
 class AutoPlan(dict):
     """A plan (``{"parameter": {...}, "forward": {...}}``, exactly what ``parallelize_module`` takes) that also
-    carries the :class:`Decision` list behind it (``decisions``) and the mesh it was made for (``mesh_desc``)."""
+    carries the :class:`Decision` list behind it (``decisions``), the mesh it was made for (``mesh_desc``), the
+    column/row pairs it found (``pairs``: ``(row, cols)`` FQNs), each planned parameter's placement on the tp dim
+    (``tp_placements``) and, from :func:`auto_plan`, the numerical checks of its pairs (``checks``:
+    :class:`vescale.plan.verify.PairCheck` list; empty when not verified)."""
 
-    def __init__(self, plan: dict, decisions: list[Decision], mesh_desc: str) -> None:
+    def __init__(self, plan: dict, decisions: list[Decision], mesh_desc: str,
+                 pairs: list[tuple[str, list[str]]] | None = None,
+                 tp_placements: dict[str, Placement] | None = None) -> None:
         super().__init__(plan)
         self.decisions = decisions
         self.mesh_desc = mesh_desc
+        self.pairs = pairs or []
+        self.tp_placements = tp_placements or {}
+        self.checks: list[PairCheck] = []
 
 
 def auto_plan(model: nn.Module, mesh, *, sequence_parallel: bool = True, loss_parallel: bool = False,
               tp: str = "tp", dp: str | None = "dp", example_args: tuple | None = None,
-              example_kwargs: dict | None = None, trace: ModelTrace | None = None) -> AutoPlan:
+              example_kwargs: dict | None = None, trace: ModelTrace | None = None, verify: bool = True) -> AutoPlan:
     """A plan for ``model`` on ``mesh`` (a ``DeviceMesh`` with named dims), from the model's structure.
 
     ``tp`` names the mesh dim that shards weights; ``dp`` (if the mesh has it) batch-shards activations and the
@@ -69,6 +82,13 @@ def auto_plan(model: nn.Module, mesh, *, sequence_parallel: bool = True, loss_pa
     ``example_args``/``example_kwargs`` describe one call of ``model`` (default: token ids ``[2, 8]``, positional);
     the root's input entry follows the same form. Pure and deterministic: every rank computes the same plan with no
     communication. If the model cannot be traced on meta, the module tree alone is used (:func:`_tree_trace`).
+
+    With ``verify`` (the default), before returning, every sharded column/row pair type is checked numerically on a
+    simulated tp mesh in this process (:func:`vescale.plan.verify.verify_pairs`: one representative per type, random
+    weights, on the model itself or a shrunken copy); a pair type whose sharded result differs from the plain one is
+    refused - replicated, with the measured difference as the reason - and the plan is remade. The verdicts are in
+    ``plan.checks`` and :func:`~vescale.plan.explain`. Pairs that cannot be run keep their evidence-based placement,
+    marked unverified. Only the tp mesh size is used: no collective is issued.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"auto_plan expects an nn.Module, got {type(model).__name__}")
@@ -82,89 +102,63 @@ def auto_plan(model: nn.Module, mesh, *, sequence_parallel: bool = True, loss_pa
         except TraceError as exc:
             trace = _tree_trace(model, str(exc), example_args, example_kwargs)
     mesh_desc = "mesh(" + ", ".join(f"{n}={s}" for n, s in sizes.items()) + ")"
-    return plan_from_trace(trace, names, sizes, tp=tp, dp=dp, sequence_parallel=sequence_parallel,
-                           loss_parallel=loss_parallel, mesh_desc=mesh_desc,
-                           module_fqns=[f for f, _ in model.named_modules()])
+    kw = dict(tp=tp, dp=dp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, mesh_desc=mesh_desc,
+              module_fqns=[f for f, _ in model.named_modules()])
+    plan = plan_from_trace(trace, names, sizes, **kw)
+    if not verify or sizes.get(tp, 1) <= 1:
+        return plan
+    if "" in trace.opaque:
+        plan.decisions.append(Decision("verify", "", "unverified", "check", "module-tree fallback (forward does not "
+                                       "run on meta): its pairs are not checked numerically"))
+        return plan
+    checks = verify_pairs(model, trace, plan.pairs, plan.tp_placements, sizes[tp], example_args=example_args,
+                          example_kwargs=example_kwargs)
+    pair_of = {row: cols for row, cols in plan.pairs}
+    refused = {m: f"refused by the numerical check ({c.how}): {c.reason}"
+               for c in checks if c.status == "refused" for row in c.members for m in [row, *pair_of[row]]}
+    if refused:
+        plan = plan_from_trace(trace, names, sizes, refused=refused, **kw)
+    return _annotate(plan, checks, pair_of, trace)
 
 
-def _tree_trace(model: nn.Module, why: str, example_args: tuple | None, example_kwargs: dict | None) -> ModelTrace:
-    """A stand-in trace built from the module tree when ``forward`` cannot run on meta.
-
-    Within each module, its ``nn.Linear`` children in registration order form a group: the last child whose output
-    size is the hidden size ``H`` is row-parallel and the children before it that read ``H`` are column-parallel
-    (attention q/k/v -> o, MLP gate/up -> down). ``nn.Embedding`` children are token embeddings; a Linear producing
-    the embedding's vocabulary is the head. ``H`` is the embedding width (else the most common weight dim). Layout
-    boundaries sit on those modules themselves (each column Linear gathers its own input: more collectives than a
-    traced plan); the root's output structure is unknown, so the root returns full tensors.
-    """
-    aliases: dict[str, list[str]] = {}
-    canonical: dict[int, str] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(canonical.setdefault(id(p), fqn), []).append(fqn)
-    trace = ModelTrace(aliases=aliases, shapes={f: tuple(p.shape) for f, p in model.named_parameters()})
-    trace.opaque[""] = why
-    ids = iter(range(-1, -10**9, -1))  # fake tensor ids, disjoint from real ones
-    fake = {}
-    for key in [*range(len(example_args or ((),))), *(example_kwargs or {})]:
-        fake[key] = next(ids)
-        trace.shape_of[fake[key]] = (2, 8)
-    trace.root_args = fake
-    embeds = [(f, m) for f, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    dims: dict[int, int] = {}
-    for shape in trace.shapes.values():
-        for d in shape[-2:] if len(shape) >= 2 else ():
-            dims[d] = dims.get(d, 0) + 1
-    hidden = embeds[0][1].embedding_dim if embeds else max(dims, key=dims.get, default=0)
-    vocab = embeds[0][1].num_embeddings if embeds else None
-
-    def name(mod: nn.Module, fqn: str) -> str:
-        return canonical[id(mod.weight)] if id(mod.weight) in canonical else f"{fqn}.weight"
-
-    def bias(mod: nn.Module) -> str | None:
-        return canonical.get(id(mod.bias)) if getattr(mod, "bias", None) is not None else None
-
-    def note(fqn: str, kind: str, param: str, in_dim, out_dim, b, producers, size: int, x: int | None = None) -> int:
-        """A synthetic matmul event plus the call of the module that does it (its argument 0 in, output 0 out)."""
-        x, out = (next(ids) if x is None else x), next(ids)
-        trace.events.append(MatmulEvent(kind, param, in_dim, out_dim, b, x, out, producers, (2, 8, size)))
-        trace.calls.append(ModuleCall(fqn, {0: x}, {0: out}, frozenset([0]) if kind == "linear" else frozenset()))
-        trace.shape_of[out] = (2, 8, size)
-        trace.taint[out] = frozenset([param if kind == "linear" else f"{param}@embedding"])
-        return out
-
-    for fqn, mod in embeds:
-        note(fqn, "embedding", name(mod, fqn), None, 0, None, frozenset(), hidden, fake.get(0))
-    for parent_fqn, parent in model.named_modules():
-        kids = [(f"{parent_fqn}.{n}" if parent_fqn else n, m) for n, m in parent.named_children()
-                if isinstance(m, nn.Linear)]
-        rows = [i for i, (_, m) in enumerate(kids) if m.out_features == hidden and m.in_features != 0]
-        if not rows:
-            for f, m in kids:
-                if vocab is not None and m.out_features == vocab:
-                    trace.root_outputs = {"logits": note(f, "linear", name(m, f), 1, 0, bias(m), frozenset(), vocab)}
-            continue
-        r = rows[-1]
-        cols = [(f, m) for f, m in kids[:r] if m.in_features == hidden]
-        if not cols:
-            continue
-        for f, m in cols:
-            note(f, "linear", name(m, f), 1, 0, bias(m), frozenset(), m.out_features)
-        f, m = kids[r]
-        note(f, "linear", name(m, f), 1, 0, bias(m), frozenset(name(c, cf) for cf, c in cols), hidden)
-    return trace
+def _annotate(plan: AutoPlan, checks: list[PairCheck], pair_of: dict[str, list[str]], trace: ModelTrace) -> AutoPlan:
+    """Add each check's verdict to the reasons of the parameters it covers, and one ``verify`` row per pair type."""
+    bias = {e.param: e.bias for e in trace.events if e.bias}
+    verdict: dict[str, str] = {}
+    for c in checks:
+        tag = {"verified": "verified", "refused": "refused", "unverified": "not verified"}[c.status]
+        for row in c.members:
+            for m in [row, *pair_of[row]]:
+                for f in [m, bias.get(m)]:
+                    if f:
+                        verdict.update({a: f"{tag}: {c.reason}" for a in trace.aliases.get(f, [f])})
+    decisions = []
+    for d in plan.decisions:
+        if d.kind == "parameter" and d.fqn in verdict and d.role != "replicated":
+            d = Decision(d.kind, d.fqn, d.placements, d.role, f"{d.reason} [{verdict[d.fqn]}]")
+        decisions.append(d)
+    for c in checks:
+        decisions.append(Decision("verify", c.row, c.status, "check",
+                                  f"{len(c.members)} pair(s) like {c.row} <- {c.cols}: {c.reason}"
+                                  + (f" (ran {c.how})" if c.how else "")))
+    plan.decisions = decisions
+    plan.checks = checks
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------------------------
 
 
 class _Planner:
-    def __init__(self, t: ModelTrace, names, sizes, tp, dp, sp, lp, module_fqns) -> None:
+    def __init__(self, t: ModelTrace, names, sizes, tp, dp, sp, lp, module_fqns, refused=None) -> None:
         self.t, self.names, self.sizes = t, names, sizes
         self.tp = tp if tp in names else None
         self.n = sizes.get(tp, 1)
         self.dp = dp if dp in names else None
         self.sp, self.lp = sp, lp
         self.module_fqns = module_fqns
+        self.refused: dict[str, str] = dict(refused or {})  # param -> why the numerical check refused its pair
+        self.pairs: list[tuple[str, list[str]]] = []
         self.params: dict[str, tuple[Placement, str, str]] = {}  # canonical fqn -> (tp placement, role, reason)
         self.inputs: dict[str, dict[Any, list]] = {}
         self.outputs: dict[str, dict[Any, list]] = {}
@@ -231,6 +225,7 @@ class _Planner:
                 pairs.append((e.param, cols))
                 taken.update(cols)
                 taken.add(e.param)
+        self.pairs = pairs
         for row, cols in pairs:
             self.plan_pair(row, cols)
         for opaque in sorted(t.opaque):
@@ -245,38 +240,58 @@ class _Planner:
                 self.plan_head(e)
         self.boundaries_root(out_taint)
 
-    def divides(self, fqn: str, size: int, parts: int, what: str) -> str | None:
-        heads = self.t.heads.get(fqn)
-        if size % (parts * self.n):
-            return f"{what} size {size} / {parts} part(s) does not divide by {self.tp}={self.n}"
-        if heads is not None and heads % self.n:
-            return f"{heads} heads (per part) do not divide by {self.tp}={self.n}"
-        return None
+    def column_layout(self, c: str, row: str):
+        """``(placement, description)`` for column ``c`` from its layout evidence, or ``(None, why replicated)``."""
+        e = self.first[c]
+        size = self.t.shapes[c][e.out_dim]
+        ev = self.t.layouts.get(c)
+        d = decide(ev, size)
+        parts_seen = self.t.fused.get(c, 1)
+        if d.kind == "shard" and parts_seen > 1 and ev is not None and not ev.splits and ev.lost:
+            return None, (f"its output is split into {parts_seen} parts after an op the planner does not follow "
+                          f"({ev.lost}): layout not settled by the trace")
+        if d.kind == "unsettled":
+            return None, f"layout not settled by the trace: {d.why}"
+        if d.kind == "interleaved":
+            part = size // d.parts
+            if part % self.n:
+                return None, f"output size {size} / {d.parts} part(s) does not divide by {self.tp}={self.n}"
+            if d.units % self.n:
+                return None, f"{d.units} heads (per part) do not divide by {self.tp}={self.n}"
+            return (InterleavedShard(e.out_dim, d.parts),
+                    f"column-parallel (output dim {e.out_dim}, fused {d.parts} parts, evidence {d.layout}: each part "
+                    f"cut into {self.n}) feeding row-parallel {row}")
+        if size % self.n or d.units % self.n:
+            if d.units < size and size % self.n == 0:
+                return None, (f"{d.units} heads (per part) do not divide by {self.tp}={self.n} (units of "
+                              f"{size // d.units} outputs kept whole)")
+            return None, f"output size {size} does not divide by {self.tp}={self.n}"
+        whole = f"whole units of {size // d.units} per rank, " if d.units < size else ""
+        return (Shard(e.out_dim), f"column-parallel (output dim {e.out_dim}, evidence {d.layout}: {whole}"
+                f"contiguous cut) feeding row-parallel {row}")
 
     def plan_pair(self, row: str, cols: list[str]) -> None:
+        refused = next((self.refused[m] for m in [row, *cols] if m in self.refused), None)
         sharded = []
         for c in cols:
             e = self.first[c]
-            size = self.t.shapes[c][e.out_dim]
-            parts = self.t.fused.get(c, 1)
-            why = self.divides(c, size, parts, "output")
-            if why:
-                self.set_param(c, Replicate(), "replicated", f"column-parallel candidate for {row}: {why}")
+            pl, desc = (None, refused) if refused else self.column_layout(c, row)
+            if pl is None:
+                self.set_param(c, Replicate(), "replicated", desc if refused else f"column-parallel candidate for "
+                               f"{row}: {desc}")
                 if e.bias:
                     self.set_param(e.bias, Replicate(), "replicated", f"bias of {c}, which is replicated")
                 continue
-            pl = InterleavedShard(e.out_dim, parts) if parts > 1 else Shard(e.out_dim)
-            desc = f"column-parallel (output dim {e.out_dim}" + (f", fused {parts} parts" if parts > 1 else "")
-            heads = self.t.heads.get(c)
-            desc += (f", {heads} heads" if heads else "") + f") feeding row-parallel {row}"
             self.set_param(c, pl, "column", desc)
             if e.bias:
-                bpl = InterleavedShard(0, parts) if parts > 1 else Shard(0)
+                bpl = InterleavedShard(0, pl.interleaved_size) if isinstance(pl, InterleavedShard) else Shard(0)
                 self.set_param(e.bias, bpl, "column", f"bias of column-parallel {c}")
             sharded.append(c)
         e = self.first[row]
         if not sharded:
-            self.set_param(row, Replicate(), "replicated", f"all of its inputs {cols} are replicated")
+            self.set_param(row, Replicate(), "replicated", refused or f"all of its inputs {cols} are replicated")
+            if refused and e.bias:
+                self.set_param(e.bias, Replicate(), "replicated", f"bias of {row}, which is replicated")
             return
         if self.t.shapes[row][e.in_dim] % self.n:
             self.set_param(row, Replicate(), "replicated", f"input size {self.t.shapes[row][e.in_dim]} does not "
@@ -507,10 +522,13 @@ def _compress(entries: dict[str, Any], universe: list[str], suffix: str = "") ->
 
 def plan_from_trace(trace: ModelTrace, names, sizes, *, tp: str = "tp", dp: str | None = "dp",
                     sequence_parallel: bool = True, loss_parallel: bool = False, mesh_desc: str = "",
-                    module_fqns: list[str] | None = None) -> AutoPlan:
+                    module_fqns: list[str] | None = None, refused: dict[str, str] | None = None) -> AutoPlan:
     """The plan for an existing :class:`ModelTrace` on a mesh given by dim ``names`` and ``sizes`` (no mesh object
-    needed: this is what the cost model and the planning benchmark use)."""
-    pl = _Planner(trace, tuple(names), dict(sizes), tp, dp, sequence_parallel, loss_parallel, module_fqns or [])
+    needed: this is what the cost model and the planning benchmark use). Evidence only: no numerical check (that
+    needs the model: :func:`auto_plan`). ``refused`` maps parameter FQNs to a reason; their whole column/row pair is
+    replicated with that reason."""
+    pl = _Planner(trace, tuple(names), dict(sizes), tp, dp, sequence_parallel, loss_parallel, module_fqns or [],
+                  refused)
     pl.run()
     decisions: list[Decision] = []
     params: dict[str, list] = {}
@@ -533,7 +551,8 @@ def plan_from_trace(trace: ModelTrace, names, sizes, *, tp: str = "tp", dp: str 
             forward[kind] = _spec(root)
             decisions.append(Decision(kind, "", str(forward[kind]), "boundary", "batch on the dp dim, full on tp"))
     decisions.extend(pl.notes)
-    return AutoPlan({"parameter": _compress(params, universe), "forward": forward}, decisions, mesh_desc)
+    return AutoPlan({"parameter": _compress(params, universe), "forward": forward}, decisions, mesh_desc,
+                    pairs=pl.pairs, tp_placements={f: v[0] for f, v in pl.params.items()})
 
 
 def _default_reason(trace: ModelTrace, fqn: str, pl: _Planner) -> str:

@@ -8,6 +8,8 @@ under a :class:`~torch.overrides.TorchFunctionMode` that records
   of its dims is the input and which the output dim, the bias, and the *producers* of the input (the matmuls whose
   outputs reach it through any chain of non-matmul ops: the data-flow graph between matmuls),
 * splits of a matmul output along its last dim (fused projections) and views that split it into heads,
+* the *layout evidence* of every matmul output (:mod:`.evidence`): the views, splits, selections and contractions
+  its features go through, from which the planner decides how a (fused) projection may be cut,
 * every module call with the tensors it received and returned.
 
 A submodule whose forward cannot run on meta tensors (data-dependent control flow, e.g. MoE routing with
@@ -29,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from vescale.core.errors import VescaleError
+from vescale.plan.evidence import FeatureTracker, LayoutEvidence
 
 __all__ = ["trace_model", "ModelTrace", "MatmulEvent", "ModuleCall", "TraceError"]
 
@@ -80,6 +83,7 @@ class ModelTrace:
     view_parent: dict[int, int] = field(default_factory=dict)
     fused: dict[str, int] = field(default_factory=dict)  # param -> number of equal parts its output is split into
     heads: dict[str, int] = field(default_factory=dict)  # param -> heads per part its output is viewed as
+    layouts: dict[str, LayoutEvidence] = field(default_factory=dict)  # param -> how its output features are used
     calls: list[ModuleCall] = field(default_factory=list)
     opaque: dict[str, str] = field(default_factory=dict)  # module FQN -> why it could not be traced
     root_outputs: dict[Any, int] = field(default_factory=dict)
@@ -98,6 +102,7 @@ _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
            torch.Tensor.bmm}
 _SPLITS = {torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.tensor_split,
            torch.Tensor.tensor_split}
+_T_PROPS = (torch.Tensor.T.__get__, torch.Tensor.mT.__get__)  # ``w.T`` / ``w.mT`` (Falcon's FalconLinear)
 _VIEWS = {torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.Tensor.flatten, torch.flatten,
           torch.Tensor.unflatten, torch.unflatten}
 
@@ -110,6 +115,8 @@ class _Recorder(TorchFunctionMode):
         self.t = trace
         self.param_of = param_of  # id(tensor) -> (canonical fqn, leading dims indexed away, transposed)
         self.alive: list[torch.Tensor] = []  # keep every seen tensor alive so that ids stay unique
+        self.features = FeatureTracker()
+        trace.layouts = self.features.evidence
 
     def note(self, x: torch.Tensor, producers: frozenset[str]) -> None:
         self.alive.append(x)
@@ -163,16 +170,19 @@ class _Recorder(TorchFunctionMode):
             if transposed:
                 w_in, w_out = w_out, w_in
             self._event("linear", fqn, lead + w_in, lead + w_out, bias, x, out)
+            if isinstance(out, torch.Tensor) and not lead:
+                self.features.start(fqn, out)
             return
+        self.features.step(func, args, kwargs, out)
         # propagate: derived-parameter views (indexing experts, .t()) and producer sets
         if args and self._param_operand(args[0]) and len(outs) == 1:
             fqn, lead, transposed = self._param_operand(args[0])
             if func in (torch.Tensor.__getitem__,) and outs[0].ndim < args[0].ndim:
                 self.param_of[id(outs[0])] = (fqn, lead + args[0].ndim - outs[0].ndim, transposed)
                 self.alive.append(outs[0])
-            elif func in (torch.Tensor.t, torch.t) or (func in (torch.Tensor.transpose, torch.transpose)
-                                                         and sorted(a % args[0].ndim for a in args[1:3])
-                                                         == [args[0].ndim - 2, args[0].ndim - 1]):
+            elif func in (torch.Tensor.t, torch.t) or any(func == g for g in _T_PROPS) \
+                    or (func in (torch.Tensor.transpose, torch.transpose)
+                        and sorted(a % args[0].ndim for a in args[1:3]) == [args[0].ndim - 2, args[0].ndim - 1]):
                 self.param_of[id(outs[0])] = (fqn, lead, not transposed)
                 self.alive.append(outs[0])
         producers = self.producers((args, kwargs))
@@ -309,3 +319,70 @@ def _opaque_guard(mod: nn.Module, fqn: str, trace: ModelTrace, recorder: _Record
         mod.__dict__.pop("forward", None)
         if own is not None:
             mod.__dict__["forward"] = own
+
+
+def _tree_trace(model: nn.Module, why: str, example_args: tuple | None, example_kwargs: dict | None) -> ModelTrace:
+    """A stand-in trace built from the module tree when ``forward`` cannot run on meta.
+
+    Within each module, its ``nn.Linear`` children in registration order form a group: the last child whose output
+    size is the hidden size ``H`` is row-parallel and the children before it that read ``H`` are column-parallel
+    (attention q/k/v -> o, MLP gate/up -> down). ``nn.Embedding`` children are token embeddings; a Linear producing
+    the embedding's vocabulary is the head. ``H`` is the embedding width (else the most common weight dim). Layout
+    boundaries sit on those modules themselves (each column Linear gathers its own input: more collectives than a
+    traced plan); the root's output structure is unknown, so the root returns full tensors.
+    """
+    aliases: dict[str, list[str]] = {}
+    canonical: dict[int, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(canonical.setdefault(id(p), fqn), []).append(fqn)
+    trace = ModelTrace(aliases=aliases, shapes={f: tuple(p.shape) for f, p in model.named_parameters()})
+    trace.opaque[""] = why
+    ids = iter(range(-1, -10**9, -1))  # fake tensor ids, disjoint from real ones
+    fake = {}
+    for key in [*range(len(example_args or ((),))), *(example_kwargs or {})]:
+        fake[key] = next(ids)
+        trace.shape_of[fake[key]] = (2, 8)
+    trace.root_args = fake
+    embeds = [(f, m) for f, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    dims: dict[int, int] = {}
+    for shape in trace.shapes.values():
+        for d in shape[-2:] if len(shape) >= 2 else ():
+            dims[d] = dims.get(d, 0) + 1
+    hidden = embeds[0][1].embedding_dim if embeds else max(dims, key=dims.get, default=0)
+    vocab = embeds[0][1].num_embeddings if embeds else None
+
+    def name(mod: nn.Module, fqn: str) -> str:
+        return canonical[id(mod.weight)] if id(mod.weight) in canonical else f"{fqn}.weight"
+
+    def bias(mod: nn.Module) -> str | None:
+        return canonical.get(id(mod.bias)) if getattr(mod, "bias", None) is not None else None
+
+    def note(fqn: str, kind: str, param: str, in_dim, out_dim, b, producers, size: int, x: int | None = None) -> int:
+        """A synthetic matmul event plus the call of the module that does it (its argument 0 in, output 0 out)."""
+        x, out = (next(ids) if x is None else x), next(ids)
+        trace.events.append(MatmulEvent(kind, param, in_dim, out_dim, b, x, out, producers, (2, 8, size)))
+        trace.calls.append(ModuleCall(fqn, {0: x}, {0: out}, frozenset([0]) if kind == "linear" else frozenset()))
+        trace.shape_of[out] = (2, 8, size)
+        trace.taint[out] = frozenset([param if kind == "linear" else f"{param}@embedding"])
+        return out
+
+    for fqn, mod in embeds:
+        note(fqn, "embedding", name(mod, fqn), None, 0, None, frozenset(), hidden, fake.get(0))
+    for parent_fqn, parent in model.named_modules():
+        kids = [(f"{parent_fqn}.{n}" if parent_fqn else n, m) for n, m in parent.named_children()
+                if isinstance(m, nn.Linear)]
+        rows = [i for i, (_, m) in enumerate(kids) if m.out_features == hidden and m.in_features != 0]
+        if not rows:
+            for f, m in kids:
+                if vocab is not None and m.out_features == vocab:
+                    trace.root_outputs = {"logits": note(f, "linear", name(m, f), 1, 0, bias(m), frozenset(), vocab)}
+            continue
+        r = rows[-1]
+        cols = [(f, m) for f, m in kids[:r] if m.in_features == hidden]
+        if not cols:
+            continue
+        for f, m in cols:
+            note(f, "linear", name(m, f), 1, 0, bias(m), frozenset(), m.out_features)
+        f, m = kids[r]
+        note(f, "linear", name(m, f), 1, 0, bias(m), frozenset(name(c, cf) for cf, c in cols), hidden)
+    return trace
