@@ -1,0 +1,125 @@
+"""Views of interleaved DTensors (``vescale.dtensor.view_rules``) against the plain tensors.
+
+Regression for a silent wrong answer: ``F.linear(x, W)`` with a fused ``query_key_value`` weight placed
+``InterleavedShard(0, 3)`` (GPT-NeoX lays it out ``[heads, 3, head_dim]``), then ``.view(B, S, heads, 3 * head_dim)``.
+torch placed the result ``_StridedShard(3, sf=3)`` and ``full_tensor()`` was off by ~7 on 2 ranks (on 4 ranks the
+view raised a local shape error). Now the view either keeps a provably right placement (``_StridedShard(2, 3)`` when
+each rank's third of the dim is whole heads) or redistributes; forward and the gradients of ``x`` and ``W`` match the
+plain tensors (fp32, rtol 1e-5), and in strict mode the redistribution raises ``StrictRedistributeError``.
+"""
+
+from __future__ import annotations
+
+from vescale.core.testing import multi_rank
+
+# (heads, head_dim): 4 and 2 heads do not split into 3 interleaved pieces of whole heads (redistributed); 6 heads on
+# 2 ranks and 12 heads on 2 and 4 ranks do (kept sharded)
+HEADS = [(4, 2), (2, 4), (6, 2), (12, 2)]
+
+
+@multi_rank(world_sizes=[2, 4])
+def test_fused_qkv_linear_then_view(world_size):
+    import pytest
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from vescale.dtensor import (
+        InterleavedShard,
+        Replicate,
+        StrictRedistributeError,
+        distribute_tensor,
+        init_device_mesh,
+        strict,
+    )
+    from vescale.dtensor.layout import local_slice
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    B, S, D = 2, 3, 8
+    for heads, hd in HEADS:
+        g = torch.Generator().manual_seed(heads * 100 + hd)
+        x_full = torch.randn(B, S, D, generator=g)
+        w_full = torch.randn(3 * heads * hd, D, generator=g)
+        grad = torch.randn(B, S, heads, 3 * hd, generator=g)
+        x_ref, w_ref = x_full.clone().requires_grad_(), w_full.clone().requires_grad_()
+        ref = F.linear(x_ref, w_ref).view(B, S, heads, 3 * hd)
+        (ref * grad).sum().backward()
+
+        x = distribute_tensor(x_full, mesh, [Replicate()]).requires_grad_()
+        w = distribute_tensor(w_full, mesh, [InterleavedShard(0, 3)]).requires_grad_()
+        y = F.linear(x, w)
+        assert tuple(y.placements) == (_StridedShard(2, split_factor=3),), y.placements
+        out = y.view(B, S, heads, 3 * hd)
+        where = f"heads={heads} head_dim={hd} on {world_size} ranks: output {out.placements}"
+        kept = heads % 3 == 0 and (heads // 3) % world_size == 0  # each rank's piece of a third is whole heads
+        want = (_StridedShard(2, split_factor=3),) if kept else (Replicate(),)
+        assert tuple(out.placements) == want, where
+        torch.testing.assert_close(out.full_tensor(), ref.detach(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, where=where: f"{where}: {m}")
+        assert torch.equal(out.to_local(), local_slice(out.full_tensor(), mesh, out.placements)), where
+
+        (out * distribute_tensor(grad, mesh, out.placements)).sum().backward()
+        torch.testing.assert_close(w.grad.full_tensor(), w_ref.grad, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, where=where: f"{where}: grad W: {m}")
+        torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, where=where: f"{where}: grad x: {m}")
+
+        with strict():
+            y = F.linear(x.detach(), w.detach())
+            if kept:
+                torch.testing.assert_close(y.view(B, S, heads, 3 * hd).full_tensor(), ref.detach(), rtol=1e-5,
+                                           atol=1e-5)
+            else:
+                with pytest.raises(StrictRedistributeError, match=r"aten\.view") as err:
+                    y.view(B, S, heads, 3 * hd)
+                assert "_StridedShard(dim=2, sf=3)" in str(err.value) and "('tp',)" in str(err.value), err.value
+
+
+@multi_rank(world_sizes=[2])
+def test_interleaved_views_keep_provable_placements(world_size):
+    """Splitting the interleaved dim at its chunk boundary gives plain ``Shard`` of the inner dim; flattening a dim
+    into an interleaved one multiplies the split factor; transposes move it; all without communication."""
+    import torch
+
+    from vescale.dtensor import InterleavedShard, Shard, count_comms, distribute_tensor, init_device_mesh
+    from vescale.dtensor.layout import local_slice
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(4 * 12, dtype=torch.float64).view(4, 12)
+    x = distribute_tensor(full, mesh, [InterleavedShard(1, 3)])
+    cases = [  # (op, expected placement)
+        (lambda t: t.view(4, 3, 4), Shard(2)),  # [interleaved_size, rest] -> Shard on the rest
+        (lambda t: t.view(48), InterleavedShard(0, 12)),  # 4 rows x 3 chunks
+        (lambda t: t.t(), InterleavedShard(0, 3)),
+        (lambda t: t.unsqueeze(0), InterleavedShard(2, 3)),
+        (lambda t: t.view(2, 2, 12), InterleavedShard(2, 3)),  # the dims before it split: untouched
+    ]
+    for i, (op, want) in enumerate(cases):
+        ref = op(full)
+        with count_comms() as c:
+            out = op(x)
+        assert tuple(out.placements) == (want,) and c.total == 0, (i, out.placements, c.counts)
+        assert torch.equal(out.to_local(), local_slice(ref.contiguous(), mesh, out.placements)), i
+        assert torch.equal(out.full_tensor(), ref), i
+
+
+@multi_rank(world_sizes=[4])
+def test_nested_shards_on_a_2d_mesh(world_size):
+    """Two mesh dims sharding one view group: torch's rule gave local shapes that do not fit for uneven nested
+    ``Shard`` (``[12]`` on ``[Shard(0), Shard(0)]`` unflattened to ``[6, 2]``: "shape '[2, 2]' is invalid for input
+    of size 3"); now the group is replicated first. ``expand`` (which changes the element count) keeps torch's rule."""
+    import torch
+
+    from vescale.dtensor import InterleavedShard, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    cases = [  # (global shape, placements, op)
+        ((12,), [Shard(0), Shard(0)], lambda t: t.unflatten(0, (6, 2))),
+        ((4, 4, 1, 8, 4), [Shard(0), Shard(1)], lambda t: t.expand(4, 4, 2, 8, 4)),
+        ((8, 3), [Shard(0), InterleavedShard(0, 2)], lambda t: t.view(24)),
+        ((6, 4), [InterleavedShard(0, 3), Shard(1)], lambda t: t.view(3, 2, 4)),
+    ]
+    for i, (shape, placements, op) in enumerate(cases):
+        full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).view(shape)
+        out = op(distribute_tensor(full, mesh, placements))
+        assert torch.equal(out.full_tensor(), op(full)), (i, out.placements)
