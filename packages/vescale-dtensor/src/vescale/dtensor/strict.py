@@ -7,8 +7,10 @@ import threading
 from collections import Counter
 from contextlib import contextmanager
 
+import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale.dtensor.errors import StrictRedistributeError
 
@@ -70,27 +72,65 @@ _C10D_NAMES = {"allgather_base": "all_gather_into_tensor", "allgather": "all_gat
                "alltoall_base": "all_to_all_single", "alltoall": "all_to_all", "allreduce_coalesced": "all_reduce"}
 
 
+# c10d's in-place collectives (what torch.distributed.* dispatch to); functional collectives are every op of the
+# _c10d_functional namespace but the bookkeeping ones (waiting on a result, wrapping one for autograd).
+_NOT_COLLECTIVES = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
+_C10D_COLLECTIVES = frozenset({"_allgather_base_", "_reduce_scatter_base_", "allgather_", "allgather_coalesced_",
+                               "allgather_into_tensor_coalesced_", "allreduce_", "allreduce_coalesced_", "alltoall_",
+                               "alltoall_base_", "broadcast_", "gather_", "scatter_", "reduce_", "reduce_scatter_",
+                               "reduce_scatter_tensor_coalesced_"})
+
+
+def _collective_name(func) -> str | None:
+    """The torch.distributed name of the collective ``func`` (an ATen overload), or None if it is not one."""
+    namespace, name = getattr(func, "namespace", ""), func._overloadpacket.__name__
+    if namespace in ("_c10d_functional", "c10d_functional") and name not in _NOT_COLLECTIVES:
+        return name
+    if namespace == "c10d" and name in _C10D_COLLECTIVES:
+        plain = name.strip("_")
+        return _C10D_NAMES.get(plain, plain)
+    return None
+
+
+class _CountCollectives(TorchDispatchMode):
+    """Counts collective ops as they reach the dispatcher. DTensor ops are let through first (NotImplemented), so
+    the collectives they desugar into are seen. Unlike torch's ``CommDebugMode`` it tracks no modules: it installs
+    no module hooks, so it cannot change how a model's forward or backward runs."""
+
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        name = _collective_name(func)
+        if name is not None:
+            self.counts[name] += 1
+        return out
+
+
 class CommCounter:
-    """Counts the collectives issued inside a ``with`` block (torch's ``CommDebugMode`` underneath).
+    """Counts the collectives issued inside a ``with`` block, forward and backward alike.
 
     ``counts`` maps a collective name (``all_gather_into_tensor``, ``all_reduce``, ``reduce_scatter_tensor``,
-    ``all_to_all``, ``broadcast``, ...) to how many times it ran; ``total`` is their sum.
+    ``all_to_all_single``, ``broadcast``, ...) to how many times it ran; ``total`` is their sum.
     """
 
     def __init__(self) -> None:
-        self._mode = CommDebugMode()
         self.counts: Counter[str] = Counter()
+        self._mode = _CountCollectives(self.counts)
 
     def __enter__(self) -> CommCounter:
+        self.counts.clear()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
-        self.counts = Counter()
-        for op, n in self._mode.get_comm_counts().items():
-            name = getattr(op, "__name__", str(op)).split(".")[0].strip("_")
-            self.counts[_C10D_NAMES.get(name, name)] += n
 
     @property
     def total(self) -> int:

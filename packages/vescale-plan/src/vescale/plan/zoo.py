@@ -1,0 +1,249 @@
+"""The zoo sweep: every decoder-only causal LM that the installed ``transformers`` ships, planned and run against one
+device.
+
+The architectures come from transformers' own auto mapping (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), not from a hand-
+picked list. Of those, encoder families (also in the masked-LM mapping), encoder-decoder models and composite
+(multimodal) configs are not decoder-only and are listed as skipped. Each remaining architecture is built from a
+small config (its defaults, with the sizes shrunk where the config has them) and run the way its users call it: its
+default attention implementation, ``use_cache`` as the config says, ``input_ids`` with ``labels``, so the model's own
+loss. The single-device reference is the same call on the unparallelized model on each rank. The parallel run is
+``auto_plan`` + ``parallelize_module`` on the given mesh, each data-parallel rank passing its own rows.
+
+Each case ends in one of:
+
+* ``pass``: logits, loss and every parameter gradient equal the reference (fp32, rtol 1e-5, atol 1e-5).
+* ``refused``: vescale raised an error that names what it cannot do (a :class:`~vescale.core.errors.VescaleError`
+  or ``NotImplementedError``); the reason is its message.
+* ``error``: anything else raised in the parallel run (a crash, not a refusal).
+* ``mismatch``: the parallel run finished with a different result: the one outcome that must never happen.
+* ``skipped``: the architecture could not be built small, or the single-device reference itself fails on CPU.
+
+``transformers`` is needed (a test dependency of vescale, not a runtime one); it is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["ZooResult", "zoo_architectures", "tiny_config", "run_zoo_case", "run_zoo", "zoo_table"]
+
+RTOL, ATOL = 1e-5, 1e-5
+SEQ, ROWS_PER_RANK = 8, 2
+
+# Sizes every small config gets where the config has the field (the model's defaults otherwise).
+_SIZES: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64, "n_positions": 64,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+    "q_lora_rank": 32, "rotary_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
+    "topk_group": 1, "sliding_window": 16, "layer_types": None, "use_cache": None, "pad_token_id": 0,
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": None, "attention_dropout": 0.0,
+    "hidden_dropout": 0.0, "dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+}
+
+
+@dataclass
+class ZooResult:
+    """One architecture on one mesh: ``result`` is pass / refused / error / mismatch / skipped (see the module doc);
+    ``reason`` says why for anything but pass; ``collectives`` counts the collectives of one forward + backward;
+    ``max_diff`` is the largest absolute difference seen (logits, loss, gradients)."""
+
+    arch: str
+    model: str
+    mesh: str
+    plan: str
+    result: str
+    reason: str = ""
+    collectives: int | None = None
+    max_diff: float | None = None
+
+
+def zoo_architectures() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+    """``(decoder_only, excluded)``: ``[(arch, model class name)]`` and ``[(arch, class name, why excluded)]``, from
+    transformers' causal-LM auto mapping, sorted by arch."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    keep, excluded = [], []
+    for arch, cls_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        if isinstance(cls_name, (tuple, list)):
+            cls_name = cls_name[0]
+        why = ""
+        if arch in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+            why = "encoder family (also a masked LM): a causal LM only as a decoder add-on"
+        else:
+            try:
+                config_cls = CONFIG_MAPPING[arch]
+                encoder_decoder = getattr(config_cls, "is_encoder_decoder", False) or \
+                    getattr(config_cls(), "is_encoder_decoder", False)
+            except Exception as e:  # noqa: BLE001 - a config that cannot load or build with its defaults
+                encoder_decoder, why = False, f"config not buildable with its defaults: {type(e).__name__}"
+            if encoder_decoder:
+                why = "encoder-decoder"
+            elif not why and getattr(config_cls, "sub_configs", None):
+                why = "composite (multimodal) config"
+        if why:
+            excluded.append((arch, cls_name, why))
+        else:
+            keep.append((arch, cls_name))
+    return keep, excluded
+
+
+def tiny_config(arch: str):
+    """The config of ``arch`` with its defaults, shrunk to the sizes of ``_SIZES`` where it has those fields."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[arch]
+    defaults = config_cls()
+    known = set(defaults.to_dict()) | set(getattr(defaults, "attribute_map", {}))
+    kwargs = {k: v for k, v in _SIZES.items() if k in known and v is not None}
+    try:
+        config = config_cls(**kwargs)
+    except Exception:  # noqa: BLE001 - some configs validate combinations: fall back to setting attributes
+        config = config_cls()
+        for k, v in kwargs.items():
+            try:
+                setattr(config, k, v)
+            except Exception:  # noqa: BLE001
+                pass
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    return config
+
+
+def _model(arch: str, cls_name: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(tiny_config(arch))
+    return model.float().eval()
+
+
+def _batch(world_rows: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, min(vocab, 128), (world_rows, SEQ), generator=g)
+    return ids
+
+
+def _max_diff(a, b) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+
+
+def run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int]) -> ZooResult:
+    """Run one architecture on this rank's part of ``mesh_dims`` (call on every rank of the world); see the module
+    doc for the outcomes. The same on every rank: each rank computes the reference, and the comparison's outcome is
+    agreed by an all-reduce before returning."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from vescale.core.errors import VescaleError
+    from vescale.core.mesh import init_mesh
+    from vescale.dtensor import count_comms
+    from vescale.parallel import parallelize_module
+    from vescale.plan.auto_plan import auto_plan
+
+    mesh_name = " x ".join(f"{k}{v}" for k, v in mesh_dims.items())
+    result = ZooResult(arch, cls_name, mesh_name, "auto_plan", "pass")
+    dp = mesh_dims.get("dp", 1)
+    try:
+        ref = _model(arch, cls_name)
+        ids = _batch(ROWS_PER_RANK * dp, ref.config.vocab_size)
+        ref_out = ref(input_ids=ids, labels=ids)
+        ref_out.loss.backward()
+    except Exception as e:  # noqa: BLE001
+        result.result, result.reason = "skipped", f"single-device reference fails: {type(e).__name__}: {e}"
+        return result
+
+    failure = ""
+    try:
+        mesh = init_mesh(mesh_dims)
+        par = copy.deepcopy(ref)
+        par.zero_grad(set_to_none=True)
+        rank = mesh.get_local_rank("dp") if dp > 1 else 0
+        mine = slice(ROWS_PER_RANK * rank, ROWS_PER_RANK * (rank + 1))
+        plan = auto_plan(par, mesh, example_kwargs={"input_ids": ids[mine], "labels": ids[mine]})
+        parallelize_module(par, mesh, plan)
+        with count_comms() as comms:
+            out = par(input_ids=ids[mine], labels=ids[mine])
+            out.loss.backward()
+        result.collectives = comms.total
+        diffs = [_max_diff(out.logits, ref_out.logits[mine]), _max_diff(out.loss, ref_out.loss)]
+        ok = torch.allclose(out.logits, ref_out.logits[mine], rtol=RTOL, atol=ATOL) and \
+            torch.allclose(out.loss, ref_out.loss, rtol=RTOL, atol=ATOL)
+        ref_params = dict(ref.named_parameters())
+        for name, p in par.named_parameters():
+            r = ref_params[name].grad
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            if (g is None) != (r is None):
+                ok, failure = False, f"{name}: gradient present on one side only"
+                continue
+            if g is not None:
+                diffs.append(_max_diff(g, r))
+                if not torch.allclose(g, r, rtol=RTOL, atol=ATOL):
+                    ok = False
+                    failure = failure or f"gradient of {name} differs by {diffs[-1]:.3g}"
+        result.max_diff = max(diffs)
+        if not ok:
+            result.result = "mismatch"
+            result.reason = failure or f"logits/loss differ by {result.max_diff:.3g}"
+    except (VescaleError, NotImplementedError) as e:
+        result.result, result.reason = "refused", f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001
+        frames = traceback.extract_tb(e.__traceback__)
+        model_frames = [f for f in frames if "/transformers/" in f.filename] or frames
+        frame = model_frames[-1]  # the model's line that made the call
+        where = f"{frame.filename.rsplit('/transformers/', 1)[-1]}:{frame.lineno} `{(frame.line or '').strip()}`"
+        result.result, result.reason = "error", f"{type(e).__name__}: {e} (at {where})"
+    # Every rank must report the same outcome: a rank that alone saw a mismatch makes it a mismatch everywhere.
+    order = ["pass", "refused", "error", "mismatch"]
+    flag = torch.tensor([order.index(result.result)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if order[int(flag)] != result.result:
+        result.result, result.reason = order[int(flag)], result.reason or "another rank saw it"
+    result.reason = " ".join(result.reason.split())[:300]
+    return result
+
+
+def _sweep_on_rank(archs: list[tuple[str, str]], mesh_dims: dict[str, int]) -> list[dict]:
+    return [asdict(run_zoo_case(arch, cls_name, mesh_dims)) for arch, cls_name in archs]
+
+
+def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = None, *,
+            timeout: float = 1800) -> list[ZooResult]:
+    """Sweep ``archs`` (default: every decoder-only architecture) on pooled CPU ranks of ``mesh_dims``."""
+    import math
+
+    from vescale.core.testing import run_on_ranks
+
+    if archs is None:
+        archs = zoo_architectures()[0]
+    results = run_on_ranks(_sweep_on_rank, math.prod(mesh_dims.values()), archs, mesh_dims, timeout=timeout)[0]
+    return [ZooResult(**r) for r in results]
+
+
+def zoo_table(results: list[ZooResult], excluded: list[tuple[str, str, str]] = ()) -> str:
+    """The sweep as a Markdown table (one row per architecture and mesh), a summary line, and the excluded list."""
+    tested = [r for r in results if r.result != "skipped"]
+    passed = sum(r.result == "pass" for r in tested)
+    lines = [f"{passed} of {len(tested)} runs pass ({100 * passed / max(len(tested), 1):.0f} %); "
+             f"{sum(r.result == 'mismatch' for r in tested)} numerical mismatches; "
+             f"{sum(r.result == 'skipped' for r in results)} skipped.", "",
+             "| architecture | model | mesh | plan | result | collectives / step | reason |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        reason = r.reason.replace("|", "\\|")
+        lines.append(f"| {r.arch} | {r.model} | {r.mesh} | {r.plan} | {r.result} | "
+                     f"{'' if r.collectives is None else r.collectives} | {reason} |")
+    if excluded:
+        lines += ["", "Not decoder-only (not swept): " + ", ".join(f"{a} ({why})" for a, _, why in excluded) + "."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,66 @@
+"""The zoo sweep: every decoder-only causal LM of the installed ``transformers``, planned by ``auto_plan`` and run
+against one device on CPU ranks; writes the table into the plan README.
+
+    python tools/zoo.py                          # tp=2 and dp=2 x tp=2, every architecture
+    python tools/zoo.py --mesh tp=2 --only llama,gpt_neox --no-write
+
+Results: pass, refused (a clear vescale error), error (a crash), mismatch (a wrong result), skipped (the model
+cannot be built small or its single-device run fails); see ``vescale.plan.zoo``. Also writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from vescale.core.mesh import parse_mesh_spec
+from vescale.plan.zoo import run_zoo, zoo_architectures, zoo_table
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "packages" / "vescale-plan" / "README.md"
+BEGIN, END = "<!-- zoo table: written by tools/zoo.py -->", "<!-- end of zoo table -->"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mesh", action="append", help="mesh spec, e.g. tp=2 or dp=2,tp=2 (repeatable)")
+    parser.add_argument("--only", help="comma-separated architectures (transformers model types)")
+    parser.add_argument("--json", default="zoo.json", help="where to write the results as JSON")
+    parser.add_argument("--no-write", action="store_true", help="do not rewrite the table in the plan README")
+    args = parser.parse_args()
+    meshes = [parse_mesh_spec(m) for m in (args.mesh or ["tp=2", "dp=2,tp=2"])]
+    archs, excluded = zoo_architectures()
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {a for a, _ in archs}
+        if unknown:
+            parser.error(f"not decoder-only causal LMs of this transformers: {sorted(unknown)}")
+        archs = [a for a in archs if a[0] in wanted]
+    results, started = [], time.time()
+    for mesh in meshes:
+        results += run_zoo(mesh, archs)
+    results.sort(key=lambda r: (r.arch, len(r.mesh)))
+    table = zoo_table(results, excluded)
+    print(table)
+    print(f"{len(results)} runs in {time.time() - started:.0f} s")
+    Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    if not args.no_write:
+        import transformers
+        import torch
+
+        text = README.read_text()
+        block = (f"{BEGIN}\n\ntransformers {transformers.__version__}, torch {torch.__version__.split('+')[0]}; "
+                 f"fp32, logits, loss and every gradient at rtol 1e-5 against one device.\n\n{table}\n{END}")
+        if BEGIN in text:
+            text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+        else:
+            text = text.rstrip() + "\n\n## The zoo sweep\n\n" + block + "\n"
+        README.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
