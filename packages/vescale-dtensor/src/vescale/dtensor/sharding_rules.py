@@ -16,6 +16,9 @@ Dropout inside the kernel (``dropout_p > 0``) on DTensors is refused: the kernel
 local generator, which would not reproduce the single-device result (vescale's counter RNG covers
 ``nn.Dropout``, not fused attention dropout). Set the attention dropout to 0 or use eager attention.
 
+* ``aten._grouped_mm`` (Hugging Face's default MoE experts kernel) with replicated operands: computed locally (torch
+  has no rule, and its CPU meta kernel refuses fp32; see :func:`_grouped_mm_on_replicated`).
+
 Built on torch's private ``torch.distributed.tensor._ops`` registration API (the same one torch's own rules use).
 """
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 
@@ -124,3 +127,32 @@ def _cpu_flash_attention_backward_strategy(op_schema: OpSchema) -> OpStrategy:
     return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 3, 6), input_index=3,
                                            allow_uneven_sharding=True,
                                            is_valid_strategy_cb=_valid_strategy(op_schema, _heads(op_schema, 1)))
+
+
+def _grouped_mm_on_replicated(op_call, args: tuple, kwargs: dict):
+    """``aten._grouped_mm`` (Hugging Face's default MoE experts kernel) on DTensors whose operands are all replicated:
+    the local op, wrapped replicated.
+
+    torch has no sharding rule for it, and DTensor's fallback (running the op on fake tensors for the output's shape)
+    fails on CPU, where the meta kernel still demands bf16 while the CPU kernel takes fp32. Replicated operands need
+    no rule: every rank computes the whole result. Sharded operands are refused with the reason.
+    """
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
+    mesh = tensors[0].device_mesh
+    for t in tensors:
+        if t.device_mesh != mesh or not all(isinstance(p, Replicate) for p in t.placements):
+            raise NotImplementedError(
+                f"aten._grouped_mm on DTensors: only replicated operands are supported, got an operand of shape "
+                f"{tuple(t.shape)} placed {tuple(t.placements)} on {t.device_mesh}; replicate the experts (or run "
+                "the experts module on local shards with a '.local' plan entry)")
+
+    def local(a):
+        return a._local_tensor if isinstance(a, DTensor) else a  # below autograd: the local tensor itself
+
+    out = op_call(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+    return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+if hasattr(aten, "_grouped_mm"):
+    # torch's own extension point for per-op DTensor behaviour (vescale.dtensor.random and loss_parallel use it too)
+    DTensor._op_dispatcher._custom_op_handlers[aten._grouped_mm.default] = _grouped_mm_on_replicated

@@ -12,7 +12,8 @@ beyond what the op itself needs. They exist because an unmodified model called t
   that was never written: the destination takes the source's layout first (``StaticCache`` buffers then hold each
   rank's own heads instead of a replicated copy).
 * ``F.scaled_dot_product_attention`` with a DTensor ``attn_mask``: the mask is brought to the query's batch/head
-  layout, because DTensor never redistributes keyword arguments.
+  layout, because DTensor never redistributes keyword arguments; and the output's local tensor is laid out as its
+  declared strides say (the CPU kernel's meta function and the kernel disagree for a transposed query).
 * Indexing a DTensor with a Python list or a plain tensor (``x[:, [-1, 0]]``): the index becomes a replicated
   DTensor, as a captured factory result would be.
 * ``F.cross_entropy`` / ``F.nll_loss`` with ``reduction="mean"`` on a target sharded over some mesh dim: torch's rule
@@ -171,6 +172,27 @@ def _mean_over_sharded_target(func, args: tuple, kwargs: dict) -> Any:
     return total / denominator
 
 
+def _local_layout_as_declared(out: Any) -> Any:
+    """``out`` with its local tensor laid out in memory as the DTensor's strides declare.
+
+    DTensor derives an output's strides from the op's meta kernel. For CPU attention the meta kernel follows the
+    query's memory order while the real kernel returns a contiguous tensor, so a DTensor attention output computed
+    from a transposed query declares one layout and holds another; a later ``.transpose(1, 2).contiguous()`` is then
+    a no-op on the DTensor and the local ``view`` after it fails. Re-laying the local tensor out (a copy, only when
+    the two disagree) keeps them consistent; values and autograd are unchanged.
+    """
+    if not isinstance(out, DTensor):
+        return out
+    local = out.to_local()
+    order = sorted(range(out.ndim), key=lambda d: (-out.stride(d), d))  # outermost first, as declared
+    if [local.stride(d) for d in order] == sorted((local.stride(d) for d in order), reverse=True):
+        return out
+    inverse = sorted(range(out.ndim), key=order.__getitem__)
+    relaid = local.permute(order).contiguous().permute(inverse)
+    return DTensor.from_local(relaid, out.device_mesh, out.placements, run_check=False, shape=out.shape,
+                              stride=out.stride())
+
+
 def _index_as_dtensors(args: tuple) -> tuple:
     """``dtensor[key]`` arguments with list and plain-tensor indices made replicated DTensors on its mesh.
 
@@ -213,7 +235,8 @@ def correct_call(func, args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dic
     elif func in _INDEX_FUNCTIONS:
         args = _index_as_dtensors(args)
     elif func is F.scaled_dot_product_attention:
-        kwargs = _mask_like_query(args, kwargs)
+        out = func(*args, **_mask_like_query(args, kwargs))
+        return True, _local_layout_as_declared(out), args, kwargs
     elif func in _LOSSES:
         out = _mean_over_sharded_target(func, args, kwargs)
         if out is not None:
