@@ -1,7 +1,7 @@
 """The zoo sweep: every decoder-only causal LM of the installed ``transformers``, planned by ``auto_plan`` and run
 against one device on CPU ranks; writes the table into the plan README.
 
-    python tools/zoo.py                          # tp=2 and dp=2 x tp=2, every architecture
+    python tools/zoo.py                          # tp=2 and dp=2 x tp=2, every architecture, both plan sources
     python tools/zoo.py --mesh tp=2 --only llama,gpt_neox --no-write
 
 Results: pass, refused (a clear vescale error), error (a crash), mismatch (a wrong result), skipped (the model
@@ -29,6 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mesh", action="append", help="mesh spec, e.g. tp=2 or dp=2,tp=2 (repeatable)")
     parser.add_argument("--only", help="comma-separated architectures (transformers model types)")
+    parser.add_argument("--plans", default="auto_plan,transformers",
+                        help="plan sources: auto_plan, transformers (the model's own TP plan, where it has one)")
     parser.add_argument("--json", default="zoo.json", help="where to write the results as JSON")
     parser.add_argument("--no-write", action="store_true", help="do not rewrite the table in the plan README")
     args = parser.parse_args()
@@ -42,8 +44,8 @@ def main() -> None:
         archs = [a for a in archs if a[0] in wanted]
     results, started = [], time.time()
     for mesh in meshes:
-        results += run_zoo(mesh, archs)
-    results.sort(key=lambda r: (r.arch, len(r.mesh)))
+        results += run_zoo(mesh, archs, plans=tuple(args.plans.split(",")))
+    results.sort(key=lambda r: (r.arch, r.plan, len(r.mesh)))
     table = zoo_table(results, excluded)
     print(table)
     print(f"{len(results)} runs in {time.time() - started:.0f} s")

@@ -27,11 +27,13 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["ZooResult", "zoo_architectures", "tiny_config", "run_zoo_case", "run_zoo", "zoo_table"]
+__all__ = ["ZooResult", "zoo_architectures", "tiny_config", "has_transformers_tp_plan", "run_zoo_case", "run_zoo",
+           "zoo_table"]
 
 RTOL, ATOL = 1e-5, 1e-5  # fp32
 RTOL64, ATOL64 = 1e-9, 1e-9  # the fp64 re-run of an fp32 difference: rounding vanishes, a wrong result does not
 SEQ, ROWS_PER_RANK = 8, 2
+MAX_PARAMETERS = 20_000_000  # a small config that stays larger than this is skipped (memory of 2 x 4 ranks)
 
 # Sizes every small config gets where the config has the field (the model's defaults otherwise).
 _SIZES: dict[str, Any] = {
@@ -130,8 +132,14 @@ def _model(arch: str, cls_name: str, dtype=None):
     import torch
     import transformers
 
+    config = tiny_config(arch)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in getattr(transformers, cls_name)(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"the small config still has {size / 1e6:.0f}M parameters (fields this sweep does not "
+                         f"shrink); over the sweep's limit of {MAX_PARAMETERS / 1e6:.0f}M")
     torch.manual_seed(0)
-    model = getattr(transformers, cls_name)(tiny_config(arch))
+    model = getattr(transformers, cls_name)(config)
     return model.to(dtype or torch.float32).eval()
 
 
@@ -147,7 +155,7 @@ def _max_diff(a, b) -> float:
     return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
 
 
-def run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int]) -> ZooResult:
+def run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], plan: str = "auto_plan") -> ZooResult:
     """Run one architecture on this rank's part of ``mesh_dims`` (call on every rank of the world); see the module
     doc for the outcomes. The same on every rank: each rank computes the reference, and the comparison's outcome is
     agreed by an all-reduce before returning.
@@ -158,9 +166,9 @@ def run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int]) -> ZooResu
     """
     import torch
 
-    result = _run_zoo_case(arch, cls_name, mesh_dims, torch.float32)
+    result = _run_zoo_case(arch, cls_name, mesh_dims, torch.float32, plan)
     if result.result == "mismatch":
-        exact = _run_zoo_case(arch, cls_name, mesh_dims, torch.float64)
+        exact = _run_zoo_case(arch, cls_name, mesh_dims, torch.float64, plan)
         if exact.result == "pass":
             result.result = "pass"
             result.reason = (f"fp32 differs by {result.max_diff:.2g} ({result.reason}); fp64 agrees to "
@@ -170,7 +178,7 @@ def run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int]) -> ZooResu
     return result
 
 
-def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype) -> ZooResult:
+def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype, plan_source: str) -> ZooResult:
     import copy
 
     import torch
@@ -182,9 +190,10 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype) ->
     from vescale.dtensor import count_comms
     from vescale.parallel import parallelize_module
     from vescale.plan.auto_plan import auto_plan
+    from vescale.plan.hf_tp_plan import from_transformers_tp_plan
 
     mesh_name = " x ".join(f"{k}{v}" for k, v in mesh_dims.items())
-    result = ZooResult(arch, cls_name, mesh_name, "auto_plan", "pass")
+    result = ZooResult(arch, cls_name, mesh_name, plan_source, "pass")
     dp = mesh_dims.get("dp", 1)
     try:
         ref = _model(arch, cls_name, dtype)
@@ -203,7 +212,10 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype) ->
         par.zero_grad(set_to_none=True)
         rank = mesh.get_local_rank("dp") if dp > 1 else 0
         mine = slice(ROWS_PER_RANK * rank, ROWS_PER_RANK * (rank + 1))
-        plan = auto_plan(par, mesh, example_kwargs={"input_ids": ids[mine], "labels": ids[mine]})
+        if plan_source == "auto_plan":
+            plan = auto_plan(par, mesh, example_kwargs={"input_ids": ids[mine], "labels": ids[mine]})
+        else:
+            plan = from_transformers_tp_plan(par, mesh)
         parallelize_module(par, mesh, plan)
         with count_comms() as comms:
             out = par(input_ids=ids[mine], labels=ids[mine])
@@ -246,21 +258,48 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype) ->
     return result
 
 
-def _sweep_on_rank(archs: list[tuple[str, str]], mesh_dims: dict[str, int]) -> list[dict]:
-    return [asdict(run_zoo_case(arch, cls_name, mesh_dims)) for arch, cls_name in archs]
+def _case_on_rank(arch: str, cls_name: str, mesh_dims: dict[str, int], plan: str) -> dict:
+    import gc
+
+    try:
+        return asdict(run_zoo_case(arch, cls_name, mesh_dims, plan))
+    finally:
+        gc.collect()
+
+
+def has_transformers_tp_plan(arch: str) -> bool:
+    """Whether ``arch``'s config carries transformers' own TP plan (``base_model_tp_plan``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return bool(getattr(CONFIG_MAPPING[arch], "base_model_tp_plan", None))
 
 
 def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = None, *,
-            timeout: float = 1800) -> list[ZooResult]:
-    """Sweep ``archs`` (default: every decoder-only architecture) on pooled CPU ranks of ``mesh_dims``."""
+            plans: tuple[str, ...] = ("auto_plan",), timeout: float = 300) -> list[ZooResult]:
+    """Sweep ``archs`` (default: every decoder-only architecture) on pooled CPU ranks of ``mesh_dims``, with each
+    plan source of ``plans`` (``"auto_plan"``; ``"transformers"``: the model's own TP plan, where it has one), one
+    call per case: a rank that dies or hangs (``timeout`` seconds) costs that case an ``error``, and the pool is
+    rebuilt for the next one."""
     import math
 
+    from vescale.core.errors import RankError, RankTimeoutError
     from vescale.core.testing import run_on_ranks
 
     if archs is None:
         archs = zoo_architectures()[0]
-    results = run_on_ranks(_sweep_on_rank, math.prod(mesh_dims.values()), archs, mesh_dims, timeout=timeout)[0]
-    return [ZooResult(**r) for r in results]
+    mesh_name = " x ".join(f"{k}{v}" for k, v in mesh_dims.items())
+    results = []
+    cases = [(arch, cls_name, plan) for arch, cls_name in archs for plan in plans
+             if plan == "auto_plan" or has_transformers_tp_plan(arch)]
+    for arch, cls_name, plan in cases:
+        try:
+            out = run_on_ranks(_case_on_rank, math.prod(mesh_dims.values()), arch, cls_name, mesh_dims, plan,
+                               timeout=timeout)[0]
+            results.append(ZooResult(**out))
+        except (RankError, RankTimeoutError) as e:
+            first = " ".join(str(e).split())[:200]
+            results.append(ZooResult(arch, cls_name, mesh_name, plan, "error", f"a rank failed: {first}"))
+    return results
 
 
 def zoo_table(results: list[ZooResult], excluded: list[tuple[str, str, str]] = ()) -> str:
