@@ -6,8 +6,9 @@ data-parallel rank passes its own rows of a left-padded batch (attention mask wi
 reference runs the whole batch. Checked: logits, the model's own loss (``labels=``) and every parameter gradient
 (fp32, rtol 1e-5: sharding reorders reductions); ``return_dict=False``; ``output_hidden_states=True`` (plain tensors
 at the boundary); explicit ``position_ids``; prefill plus two decode steps through a ``DynamicCache`` and a
-``StaticCache`` passed in, with each rank's cache holding only its own key/value heads. Meshes: tp=1 (world size 1),
-tp=2, and dp=2 x tp=2.
+``StaticCache`` passed in, with each rank's cache holding only its own key/value heads; ``generate()`` token for
+token (greedy with the dynamic and the static cache; sampling with top-k/top-p under one seed where every rank
+holds the whole batch). Meshes: tp=1 (world size 1), tp=2, and dp=2 x tp=2.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _config():
 
     # GQA: 4 query heads, 2 key/value heads; the defaults (use_cache=True, sdpa) are left as they are.
     return tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2)
 
 
 def _batch(rows: int):
@@ -114,3 +116,17 @@ def test_default_calls_match_single_device(world_size):
             # each rank holds its own rows and its own key/value heads: 1/(dp*tp) of the cache
             assert keys.to_local().shape[:2] == (2, config.num_key_value_heads // tp), keys.to_local().shape
             torch.testing.assert_close(keys.full_tensor(), ref_cache.layers[0].keys, rtol=RTOL, atol=ATOL)
+
+        # generate(): left-padded prompts, greedy through the default (dynamic) and a static cache; sampling draws
+        # from torch's generator on every rank alike (same seed, same full logits), so it needs every rank to hold
+        # the whole batch (no dp): with dp each rank would draw for its own rows only, a different stream.
+        prompts = ids[:, :5].masked_fill(mask[:, :5] == 0, config.pad_token_id)
+        settings = [dict(do_sample=False), dict(do_sample=False, cache_implementation="static")]
+        if dp == 1:
+            settings.append(dict(do_sample=True, top_k=8, top_p=0.9, temperature=0.8))
+        for kw in settings:
+            torch.manual_seed(11)
+            want = ref.generate(input_ids=prompts, attention_mask=mask[:, :5], max_new_tokens=6, **kw)
+            torch.manual_seed(11)
+            got = par.generate(input_ids=prompts[mine], attention_mask=mask[mine, :5], max_new_tokens=6, **kw)
+            assert torch.equal(got, want[mine]), (kw, got, want[mine])
