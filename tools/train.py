@@ -97,6 +97,30 @@ def build_model(name: str) -> torch.nn.Module:
     return getattr(transformers, model_cls)(config)
 
 
+def rank_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device this rank computes on, where every tensor a collective over ``group`` touches must live.
+
+    NCCL (the backend of GPU runs) takes CUDA tensors only: ``cuda:<current device>``, which ``init_distributed`` /
+    ``spawn`` set to the rank's local rank (and which torch's object collectives use too). Any other backend (gloo):
+    the CPU. The same rule as ``vescale.core.mesh.init_mesh``'s mesh device type and ``PipeEngine.device``.
+    """
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_per_rank(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's ``values`` (same length on every rank) as a ``[world, len(values)]`` float64 CPU tensor.
+
+    Collective over ``group`` (default: all ranks): one ``all_gather`` of tensors on ``device``, which must be the
+    rank's device (:func:`rank_device`), since NCCL refuses CPU tensors. Returned on every rank.
+    """
+    mine = torch.tensor([values], dtype=torch.float64, device=device)
+    per_rank = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(per_rank, mine, group=group)
+    return torch.cat(per_rank).cpu()
+
+
 def init_model(name: str, seed: int, init: str, device: torch.device) -> torch.nn.Module:
     """Model ``name`` from ``seed``: built whole on ``device`` (``eager``), or only recorded on meta (``deferred``).
 
@@ -300,9 +324,7 @@ class Trainer:
         self.dp_rank = sub_mesh(mesh, "dp").get_local_rank() if self.dp > 1 else 0
         self.spec = model_spec(cfg.model)
         check_fits(cfg, self.spec, self.pp, self.dp, self.tp)
-        # NCCL ranks compute on their GPU (init_distributed set the current device); gloo ranks on the CPU.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else \
-            torch.device("cpu")
+        self.device = rank_device()  # the model, the batches and every collective's tensors live here
         t0 = time.perf_counter()
         model = init_model(cfg.model, cfg.seed, cfg.init, self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -540,10 +562,8 @@ def train(cfg: TrainConfig) -> dict:
     if pending_save is not None:
         pending_save.wait()
     wall = time.perf_counter() - t_start
-    mine = torch.tensor([[_peak_memory_mb(), trainer.init_s, trainer.init_bytes]], dtype=torch.float64)
-    per_rank = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(per_rank, mine)  # one gather: peak memory MB, init seconds, init bytes of every rank
-    per_rank = torch.cat(per_rank)
+    # one gather: peak memory MB, init seconds, init bytes of every rank
+    per_rank = gather_per_rank([_peak_memory_mb(), trainer.init_s, trainer.init_bytes], trainer.device)
     if rank != 0:
         return {}
     metrics_file.close()
@@ -618,11 +638,13 @@ def main(argv: list[str] | None = None) -> dict:
     check_fits(cfg, model_spec(cfg.model), *(cfg.dims.get(n, 1) for n in ("pp", "dp", "tp")))
     if "WORLD_SIZE" in os.environ:  # under torchrun: join its ranks
         init_distributed()
-        if dist.get_world_size() != world:
-            raise SystemExit(f"train.py: --mesh {cfg.mesh} needs {world} ranks but torchrun started "
-                             f"{dist.get_world_size()}")
-        summary = train(cfg)
-        dist.destroy_process_group()
+        try:  # leave the group even when the job fails (NCCL otherwise warns of a leaked communicator, or hangs)
+            if dist.get_world_size() != world:
+                raise SystemExit(f"train.py: --mesh {cfg.mesh} needs {world} ranks but torchrun started "
+                                 f"{dist.get_world_size()}")
+            summary = train(cfg)
+        finally:
+            dist.destroy_process_group()
     else:
         summary = spawn(train, world, cfg)
     if summary and not cfg.quiet:

@@ -151,9 +151,98 @@ def test_bad_input_fails_on_every_rank_before_communication(gpt_pipeline):
         PipeEngine([stages[0], None], None, schedule="1f1b", num_microbatches=2, loss_fn=cross_entropy)
     engine = PipeEngine(stages, None, schedule="1f1b", num_microbatches=2, loss_fn=cross_entropy)
     bad = torch.ones(5, T, dtype=torch.long)
-    with pytest.raises(PipeError, match=r"batch has shape \(5, 8\): dim 0 must be a multiple of num_microbatches=2"):
+    with pytest.raises(PipeError, match=r"batch has shape \(5, 8\), dtype int64 on pp ranks 0, 1: dim 0 must be a "
+                                        r"multiple of num_microbatches=2"):
         engine.step(bad, bad)
     # the engine still works after the rejected step (nothing was sent)
     x = torch.randint(0, VOCAB, (2 * MB, T), generator=torch.Generator().manual_seed(3))
     ref_loss, _ = _reference(model, x, x, 2, cross_entropy)
     assert torch.equal(engine.step(x, x), ref_loss)
+
+
+def _error_on_every_rank(engine, batch, target) -> str:
+    """``engine.step(batch, target)`` must raise PipeError on this rank; return its message, checked equal on all."""
+    import pytest
+    import torch.distributed as dist
+
+    from vescale.pipe import PipeError
+
+    with pytest.raises(PipeError) as info:
+        engine.step(batch, target)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, str(info.value))
+    assert len(set(messages)) == 1, f"the ranks raised different errors: {messages}"
+    return messages[0]
+
+
+@multi_rank(world_sizes=[2, 4], timeout=60)
+def test_bad_batch_on_the_first_stage_only_raises_on_every_rank(world_size, gpt_pipeline):
+    """The documented way (batch on the rank of stage 0 only, target on the last stage's only): a bad or missing
+    batch or target makes every rank raise the same error before any p2p; without the metadata exchange the other
+    ranks would wait for stage 0's activations forever (the harness's 60 s timeout fails the test)."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.testing.models import cross_entropy
+    from vescale.pipe import PipeEngine
+
+    model, stages_by_count = gpt_pipeline
+    P, M, rank = world_size, 2 * world_size, dist.get_rank()
+    engine = PipeEngine(stages_by_count[P], None, schedule="1f1b", num_microbatches=M, loss_fn=cross_entropy)
+    first, last = rank == 0, rank == P - 1
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, VOCAB, (M * MB, T), generator=g)
+    y = torch.randint(0, VOCAB, (M * MB, T), generator=g)
+
+    def only(cond, value):
+        return value if cond else None
+
+    # dim 0 not a multiple of the microbatches
+    bad = torch.ones(M * MB - 1, T, dtype=torch.long)
+    msg = _error_on_every_rank(engine, only(first, bad), only(last, y))
+    assert msg.startswith(f"batch has shape ({M * MB - 1}, {T}), dtype int64 on pp rank 0: dim 0 must be a multiple "
+                          f"of num_microbatches={M}"), msg
+    # a 0-d batch
+    msg = _error_on_every_rank(engine, only(first, torch.tensor(3)), only(last, y))
+    assert "batch has shape (), dtype int64 on pp rank 0: dim 0 must be a multiple" in msg, msg
+    # the batch missing on stage 0, the target missing on the last stage
+    msg = _error_on_every_rank(engine, None, only(last, y))
+    assert msg.startswith("pp rank 0 holds stage 0 and needs the batch, got None"), msg
+    msg = _error_on_every_rank(engine, only(first, x), None)
+    assert msg.startswith(f"pp rank {P - 1} holds the last stage and needs the target, got None"), msg
+    # a bad target on the last stage only, in a nested structure: named by its index
+    msg = _error_on_every_rank(engine, only(first, x), only(last, (y, y[:-1])))
+    assert re.search(rf"target tensor #1 \(of 2, .*\) has shape \({M * MB - 1}, {T}\), dtype int64 on pp rank "
+                     rf"{P - 1}: dim 0", msg), msg
+    # a rank passed another batch than stage 0's: every rank names both
+    other = x.float() if rank == 1 else x
+    msg = _error_on_every_rank(engine, other, only(last, y))
+    assert (f"the batch on pp rank 1 differs from the batch on pp rank 0 (stage 0): got shape ({M * MB}, {T}), dtype "
+            f"float32, expected shape ({M * MB}, {T}), dtype int64") in msg, msg
+    # nothing was sent: the engine steps normally afterwards, with the batch on stage 0 only
+    ref_loss, _ = _reference(model, x, y, M, cross_entropy)
+    for stage in engine.stages.values():
+        stage.zero_grad(set_to_none=True)
+    assert torch.equal(engine.step(only(first, x), only(last, y)), ref_loss)
+
+
+def test_describe_batch_is_fixed_size_and_compares_structure():
+    """The per-step description: fixed length whatever the batch; equal for equal shapes/dtypes/structure only."""
+    import torch
+
+    from vescale.pipe.engine import _DESC_LEN, _describe_batch
+
+    a = {"ids": torch.zeros(4, 8, dtype=torch.long), "mask": torch.ones(4, 8)}
+    rows = [_describe_batch(b, 2) for b in (None, a, torch.zeros(4, 8), [torch.zeros(4, 2)] * 20,
+                                            torch.zeros(4, *[1] * 12))]
+    assert all(len(r) == _DESC_LEN for r in rows)
+    assert _describe_batch(a, 2) == _describe_batch({"ids": torch.ones(4, 8, dtype=torch.long),
+                                                     "mask": torch.zeros(4, 8)}, 2)  # values do not matter
+    for other in ({"mask": a["mask"], "ids": a["ids"]}, {"ids": a["ids"], "mask": a["mask"].double()},
+                  {"ids": a["ids"], "mask": torch.ones(4, 9)}, (a["ids"], a["mask"])):
+        assert _describe_batch(other, 2)[:3] != _describe_batch(a, 2)[:3], other
+    # tensors past the described ones still count in the digest
+    many = [torch.zeros(4, 2)] * 20
+    assert _describe_batch(many, 2)[:3] != _describe_batch(many[:19] + [torch.zeros(4, 3)], 2)[:3]

@@ -8,13 +8,18 @@ microbatch loss on every pipeline rank. Gradients accumulate into ``.grad`` like
 steps (``optimizer.zero_grad()``).
 
 Collectives it issues: at construction, one ``all_gather_object`` over the pp group (errors and parameter FQNs);
-per step, p2p sends/receives between neighbouring stages (tagged, batched), one ``all_reduce`` over the pp group for
-parameters held by several stages (tied embeddings), one ``all_reduce`` over ``dp`` (when given) of every local
-gradient, and one ``broadcast`` of the loss from the rank holding the last stage.
+per step, first one ``all_gather`` over the pp group of a fixed-size int64 description of the batch and target each
+rank was passed (presence, shapes, dtypes; see ``_describe_batch``), so that a bad or missing batch raises the
+same :class:`PipeError` on every pp rank before any stage waits on another; then p2p sends/receives between
+neighbouring stages (tagged, batched), one ``all_reduce`` over the pp group for parameters held by several stages
+(tied embeddings), one ``all_reduce`` over ``dp`` (when given) of every local gradient, and one ``broadcast`` of the
+loss from the rank holding the last stage. Every tensor these collectives touch lives on :attr:`PipeEngine.device`,
+the rank's device (``cuda:<current>`` when the pp group is NCCL, else the stages' parameters' device, else CPU).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +38,15 @@ __all__ = ["PipeEngine", "split_microbatches"]
 
 _FWD, _BWD = 0, 1
 _CATEGORY = {"F": "forward", "B": "backward", "BI": "backward_input", "BW": "backward_weight"}
+
+# The per-step batch description (_describe_batch): one fixed-size int64 row per argument (batch, target).
+_DESC_LEAVES = 8  # tensor leaves described shape by shape; the digest covers all of them
+_DESC_DIMS = 8    # dims described per leaf; the digest covers all of them
+_LEAF = 2 + _DESC_DIMS  # dtype code, ndim, dims
+_PRESENT, _COUNT, _DIGEST, _BAD = range(4)  # then _DESC_LEAVES leaf slots, then the slot of the first bad leaf
+_DESC_LEN = 4 + _LEAF * (_DESC_LEAVES + 1)
+#: Every torch dtype, in one order that every rank of one torch version agrees on (code = index).
+_DTYPE_CODES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 
 
 def split_microbatches(obj: Any, num_microbatches: int, what: str = "batch") -> list[Any]:
@@ -53,6 +67,104 @@ def split_microbatches(obj: Any, num_microbatches: int, what: str = "batch") -> 
         parts = {k: split_microbatches(v, num_microbatches, f"{what}[{k!r}]") for k, v in obj.items()}
         return [{k: p[m] for k, p in parts.items()} for m in range(num_microbatches)]
     return [obj] * num_microbatches
+
+
+def _tensor_leaves(obj: Any) -> tuple[list[torch.Tensor], str]:
+    """The tensor leaves of ``obj``, in :func:`split_microbatches` order, and ``obj``'s skeleton.
+
+    The skeleton names the containers, keys and non-tensor leaf types: two arguments with equal skeletons and equal
+    leaf shapes and dtypes split into microbatches of the same structure.
+    """
+    if isinstance(obj, torch.Tensor):
+        return [obj], "T"
+    if isinstance(obj, (tuple, list)):
+        parts = [_tensor_leaves(v) for v in obj]
+        skeleton = f"{type(obj).__name__}(" + ",".join(sk for _, sk in parts) + ")"
+        return [x for leaves, _ in parts for x in leaves], skeleton
+    if isinstance(obj, Mapping):
+        parts = [(k, _tensor_leaves(v)) for k, v in obj.items()]
+        return ([x for _, (leaves, _) in parts for x in leaves],
+                "{" + ",".join(f"{k!r}:{sk}" for k, (_, sk) in parts) + "}")
+    return [], type(obj).__name__
+
+
+def _describe_batch(obj: Any, num_microbatches: int) -> list[int]:
+    """A fixed-size (``_DESC_LEN``) int64 description of a step argument (batch or target), for comparing on ranks.
+
+    Fields: present (0 for ``None``), number of tensor leaves, a CRC-32 digest of the skeleton and of every leaf's
+    dtype and full shape (so descriptions compare exactly whatever their size), the index of the first tensor leaf
+    that cannot be split into ``num_microbatches`` (0-d, or dim 0 not a multiple; -1 for none), then dtype code,
+    ndim and dims of the first ``_DESC_LEAVES`` leaves, then of that first bad leaf (what error messages show).
+    """
+    row = [0] * _DESC_LEN
+    row[_BAD] = -1
+    if obj is None:
+        return row
+    leaves, skeleton = _tensor_leaves(obj)
+    row[_PRESENT], row[_COUNT] = 1, len(leaves)
+    metas = ";".join(f"{t.dtype}{tuple(t.shape)}" for t in leaves)
+    row[_DIGEST] = zlib.crc32(f"{skeleton}|{metas}".encode())
+    bad = [i for i, t in enumerate(leaves) if t.dim() == 0 or t.shape[0] % num_microbatches]
+    if bad:
+        row[_BAD] = bad[0]
+    slots = list(enumerate(leaves[:_DESC_LEAVES]))
+    if bad:
+        slots.append((_DESC_LEAVES, leaves[bad[0]]))
+    for k, t in slots:
+        base = 4 + k * _LEAF
+        row[base] = _DTYPE_CODES.index(t.dtype) if t.dtype in _DTYPE_CODES else -1
+        row[base + 1] = t.dim()
+        row[base + 2:base + 2 + min(t.dim(), _DESC_DIMS)] = list(t.shape)[:_DESC_DIMS]
+    return row
+
+
+def _leaf_text(row: list[int], slot: int) -> str:
+    """``shape (5, 8), dtype int64`` of leaf slot ``slot`` of a description (``...`` past the described dims)."""
+    base = 4 + slot * _LEAF
+    code, ndim = row[base], row[base + 1]
+    dims = [str(d) for d in row[base + 2:base + 2 + min(ndim, _DESC_DIMS)]] + (["..."] if ndim > _DESC_DIMS else [])
+    shape = "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
+    dtype = str(_DTYPE_CODES[code]).removeprefix("torch.") if code >= 0 else "unknown"
+    return f"shape {shape}, dtype {dtype}"
+
+
+def _desc_text(row: list[int]) -> str:
+    """What a description says, e.g. ``shape (8, 16), dtype int64`` or ``2 tensors: shape ..; shape ..``."""
+    if not row[_PRESENT]:
+        return "nothing (None)"
+    n = row[_COUNT]
+    if n == 1:
+        return _leaf_text(row, 0)
+    shown = "; ".join(_leaf_text(row, k) for k in range(min(n, _DESC_LEAVES)))
+    return f"{n} tensors: {shown}" + ("; ..." if n > _DESC_LEAVES else "")
+
+
+def _leaf_name(what: str, row: list[int], index: int) -> str:
+    return what if row[_COUNT] == 1 else f"{what} tensor #{index} (of {row[_COUNT]}, in flattening order)"
+
+
+def _first_difference(a: list[int], b: list[int]) -> str:
+    """Where two descriptions of present arguments differ, as ``got ... expected ...`` text."""
+    if a[_COUNT] != b[_COUNT]:
+        return f"{_desc_text(a)}, expected {_desc_text(b)}"
+    for k in range(min(a[_COUNT], _DESC_LEAVES)):
+        sa, sb = (r[4 + k * _LEAF:4 + (k + 1) * _LEAF] for r in (a, b))
+        if sa != sb:
+            which = "" if a[_COUNT] == 1 else f"tensor #{k}: "
+            return f"{which}{_leaf_text(a, k)}, expected {_leaf_text(b, k)}"
+    return (f"{_desc_text(a)}, expected {_desc_text(b)} (they differ in their structure, their dims past "
+            f"{_DESC_DIMS}, or their tensors past #{_DESC_LEAVES - 1})")
+
+
+def _rank_device(group: Any, params: list[torch.Tensor]) -> torch.device:
+    """The device of the tensors this rank's engine communicates over ``group``.
+
+    NCCL takes CUDA tensors only: the current CUDA device (the launcher set it to the local rank), even on a rank
+    whose stages hold no trainable parameter. Other backends: the parameters' device, else the CPU.
+    """
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return params[0].device if params else torch.device("cpu")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -135,10 +247,8 @@ class PipeEngine:
             for n, meta in inf.items():
                 holders.setdefault(n, []).append((r, meta))
         self.shared = {n: h[0][1] for n, h in sorted(holders.items()) if len(h) > 1}
-        try:
-            self.device = next(p for ps in self._params.values() for p in ps).device
-        except StopIteration:
-            self.device = torch.device("cpu")
+        #: The device of every tensor the engine communicates (see the module docstring).
+        self.device = _rank_device(self.group, [p for ps in self._params.values() for p in ps])
         self._step = 0
 
     @staticmethod
@@ -168,18 +278,21 @@ class PipeEngine:
     def step(self, batch: Any = None, target: Any = None) -> torch.Tensor:
         """Forward and backward of one global batch; returns the mean microbatch loss (a 0-d tensor, every rank).
 
-        ``batch`` is needed on the rank holding stage 0, ``target`` on the rank holding the last stage (passing
-        both everywhere is fine and lets every rank check the shapes).
+        ``batch`` is needed on the rank holding stage 0, ``target`` on the rank holding the last stage; other ranks
+        may pass ``None``, or the same batch and target (same shapes and dtypes). Before the schedule starts, the pp
+        ranks exchange what they were passed (one small ``all_gather``) and every rank raises the same
+        :class:`PipeError`, naming the argument, the pp rank, and the shape and dtype expected and got, when: the
+        rank holding stage 0 (the last stage) has no batch (target); a tensor of a batch or target cannot be split
+        into ``num_microbatches`` along dim 0; or a rank was passed a batch (target) whose shapes or dtypes differ
+        from those on the rank holding stage 0 (the last stage). Nothing has been sent then, so the engine can
+        step again.
         """
         S, M = self.num_stages, self.num_microbatches
         self._mbs = self._tgts = None
-        if 0 in self.stages or batch is not None:
-            if batch is None:
-                raise PipeError(f"pp rank {self.pp_rank} holds stage 0 and needs the batch")
+        self._check_step_args(batch, target)
+        if batch is not None:
             self._mbs = split_microbatches(batch, M, "batch")
-        if S - 1 in self.stages or target is not None:
-            if target is None:
-                raise PipeError(f"pp rank {self.pp_rank} holds the last stage and needs the target")
+        if target is not None:
             self._tgts = split_microbatches(target, M, "target")
         self._inputs: dict = {}      # (stage, mb) -> input tensors (received or handed over locally)
         self._saved: dict = {}       # (stage, mb) -> (input leaves needing grad, backward roots)
@@ -221,6 +334,40 @@ class PipeEngine:
             dist.broadcast(loss, src=self.peers[self.owner[S - 1]], group=self.group)
         self._step += 1
         return loss
+
+    def _check_step_args(self, batch: Any, target: Any) -> None:
+        """Raise the same :class:`PipeError` on every pp rank when any rank's batch or target is missing or bad.
+
+        Issues one ``all_gather`` over the pp group of a ``[2, _DESC_LEN]`` int64 tensor on :attr:`device`.
+        """
+        M = self.num_microbatches
+        mine = torch.tensor([_describe_batch(batch, M), _describe_batch(target, M)], dtype=torch.int64,
+                            device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.pp_size)]
+        with span("batch check all_gather", "collective"):
+            dist.all_gather(rows, mine, group=self.group)
+        table = [r.cpu().tolist() for r in rows]  # table[pp rank][0: batch, 1: target]
+        problems = []
+        for arg, (what, stage, role) in enumerate((("batch", 0, "stage 0"),
+                                                   ("target", self.num_stages - 1, "the last stage"))):
+            holder = self.owner[stage]
+            ref = table[holder][arg]
+            if not ref[_PRESENT]:
+                problems.append(f"pp rank {holder} holds {role} and needs the {what}, got None")
+            seen: dict[tuple, list[int]] = {}  # each distinct description passed, and the pp ranks given it
+            for r, rows_r in enumerate(table):
+                if rows_r[arg][_PRESENT]:
+                    seen.setdefault(tuple(rows_r[arg]), []).append(r)
+            for row, ranks in ((list(k), v) for k, v in seen.items()):
+                where = f"pp rank {ranks[0]}" if len(ranks) == 1 else f"pp ranks {', '.join(map(str, ranks))}"
+                if row[_BAD] >= 0:
+                    problems.append(f"{_leaf_name(what, row, row[_BAD])} has {_leaf_text(row, _DESC_LEAVES)} on "
+                                    f"{where}: dim 0 must be a multiple of num_microbatches={M}")
+                elif ref[_PRESENT] and row[_PRESENT:_BAD] != ref[_PRESENT:_BAD]:
+                    problems.append(f"the {what} on {where} differs from the {what} on pp rank {holder} ({role}): "
+                                    f"got {_first_difference(row, ref)}")
+        if problems:
+            raise PipeError("; ".join(problems) + f" (raised on every pp rank, before step {self._step} started)")
 
     def _compute(self, a) -> None:
         s, m = a.stage, a.mb
