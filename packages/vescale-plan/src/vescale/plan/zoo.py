@@ -31,7 +31,9 @@ __all__ = ["ZooResult", "zoo_architectures", "tiny_config", "has_transformers_tp
            "zoo_table"]
 
 RTOL, ATOL = 1e-5, 1e-5  # fp32
-RTOL64, ATOL64 = 1e-9, 1e-9  # the fp64 re-run of an fp32 difference: rounding vanishes, a wrong result does not
+# The fp64 re-run of an fp32 difference: rounding shrinks by orders of magnitude, a wrong result does not. Not 1e-12:
+# models that upcast parts to fp32 themselves (softmax(..., dtype=torch.float32)) keep fp32 rounding in fp64 runs.
+RTOL64, ATOL64 = 1e-6, 1e-6
 SEQ, ROWS_PER_RANK = 8, 2
 MAX_PARAMETERS = 20_000_000  # a small config that stays larger than this is skipped (memory of 2 x 4 ranks)
 
@@ -160,7 +162,7 @@ def run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], plan: str 
     doc for the outcomes. The same on every rank: each rank computes the reference, and the comparison's outcome is
     agreed by an all-reduce before returning.
 
-    fp32 first (rtol 1e-5, atol 1e-5). A difference there is run again in fp64 (rtol 1e-9): sharding reorders sums,
+    fp32 first (rtol 1e-5, atol 1e-5). A difference there is run again in fp64 (rtol 1e-6): sharding reorders sums,
     and a model whose gradients are large sums of cancelling terms can differ by more than 1e-5 in fp32 from
     rounding alone. If fp64 agrees, it was rounding (a pass, with both figures in the reason); if not, a mismatch.
     """
