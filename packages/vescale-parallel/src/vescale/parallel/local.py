@@ -35,8 +35,13 @@ def make_local(module: nn.Module, mesh, grad_spec, out_spec, fqn: str) -> None:
 
 
 def _arg_local(x: Any, grad_placements) -> Any:
+    """An argument's local tensor; tuples and lists (rotary ``position_embeddings=(cos, sin)``) element by element,
+    each with its own placements as gradient placements."""
     if isinstance(x, DTensor):
         return x.to_local(grad_placements=grad_placements or x.placements)
+    if isinstance(x, (tuple, list)) and any(isinstance(v, DTensor) for v in x):
+        items = [_arg_local(v, None) for v in x]
+        return type(x)(items) if isinstance(x, list) else tuple(items)
     return x
 
 

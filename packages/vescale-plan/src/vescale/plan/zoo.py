@@ -35,6 +35,7 @@ RTOL, ATOL = 1e-5, 1e-5  # fp32
 # models that upcast parts to fp32 themselves (softmax(..., dtype=torch.float32)) keep fp32 rounding in fp64 runs.
 RTOL64, ATOL64 = 1e-6, 1e-6
 SEQ, ROWS_PER_RANK = 8, 2
+POOL_CASES = 24  # cases run by one pool of ranks before it is restarted
 MAX_PARAMETERS = 20_000_000  # a small config that stays larger than this is skipped (memory of 2 x 4 ranks)
 
 # Sizes every small config gets where the config has the field (the model's defaults otherwise).
@@ -285,7 +286,7 @@ def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = Non
     import math
 
     from vescale.core.errors import RankError, RankTimeoutError
-    from vescale.core.testing import run_on_ranks
+    from vescale.core.testing import run_on_ranks, shutdown_pools
 
     if archs is None:
         archs = zoo_architectures()[0]
@@ -293,7 +294,9 @@ def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = Non
     results = []
     cases = [(arch, cls_name, plan) for arch, cls_name in archs for plan in plans
              if plan == "auto_plan" or has_transformers_tp_plan(arch)]
-    for arch, cls_name, plan in cases:
+    for done, (arch, cls_name, plan) in enumerate(cases):
+        if done and done % POOL_CASES == 0:
+            shutdown_pools()  # each architecture imports its own transformers modules: fresh ranks bound the memory
         try:
             out = run_on_ranks(_case_on_rank, math.prod(mesh_dims.values()), arch, cls_name, mesh_dims, plan,
                                timeout=timeout)[0]
