@@ -297,7 +297,22 @@ def _view_strategy(op: torch._ops.OpOverload, dim_map_fn: Callable, strict_view:
         if not isinstance(input_strategy, OpStrategy):
             return torch_strategy(op_schema)
         in_shape = tuple(input_strategy.shape)
+        sizes = [*in_shape, *(a for arg in op_schema.args_schema[1:]
+                              for a in (arg if isinstance(arg, (list, tuple)) else (arg,)))]
+        if any(isinstance(n, torch.SymInt) for n in sizes):
+            # Symbolic shapes (torch.compile tracing with dynamic sizes): the size arithmetic below needs concrete
+            # sizes, so torch's own rule decides (see the README's limitation for interleaved inputs under compile).
+            return torch_strategy(op_schema)
         strided = any(isinstance(p, _StridedShard) for s in input_strategy.strategies for p in s.output_spec.placements)
+        if strided and any(_nested(s.output_spec.placements) for s in input_strategy.strategies):
+            # A tensor dim sharded by two mesh dims with a _StridedShard among them is torch's own nested layout
+            # (batch on dp and sequence on tp flattened together, FSDP x TP): torch's rule is written for it and
+            # keeps it sharded (replicating here would cost an all-gather per block and breaks torch.compile's
+            # tracing of the graphs after it). Where torch's rule cannot place it, vescale's below replicates.
+            try:
+                return torch_strategy(op_schema)
+            except (RuntimeError, AssertionError, NotImplementedError):
+                pass
         if not strided:
             result = torch_strategy(op_schema)
             # torch's rules are right for one sharded mesh dim; nested uneven Shards of one group can get local
@@ -336,6 +351,12 @@ def _view_strategy(op: torch._ops.OpOverload, dim_map_fn: Callable, strict_view:
         return result
 
     return strategy
+
+
+def _nested(placements: Sequence[Placement]) -> bool:
+    """Whether some tensor dim is sharded by more than one mesh dim."""
+    dims = [p.dim for p in placements if isinstance(p, (Shard, _StridedShard))]
+    return len(dims) != len(set(dims))
 
 
 def _ragged_guard(op: torch._ops.OpOverload, torch_strategy: Callable) -> Callable[[OpSchema], StrategyType]:

@@ -93,7 +93,8 @@ class FactoryCapture(TorchFunctionMode):
             return out  # a compiled graph's own ops, or AOT tracing one: captured when dynamo traced it
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
             out = DTensor.from_local(out, self.device_mesh, self._replicate, run_check=False)
-            mark_unwritten(out)
+            if not torch.compiler.is_dynamo_compiling():  # a traced graph has no object identity to track
+                mark_unwritten(out)
         return out
 
 
