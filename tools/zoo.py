@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from vescale.core.mesh import parse_mesh_spec
-from vescale.plan.zoo import run_zoo, zoo_architectures, zoo_table
+from vescale.plan.zoo import ZooResult, run_zoo, zoo_architectures, zoo_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "packages" / "vescale-plan" / "README.md"
@@ -33,6 +33,7 @@ def main() -> None:
                         help="plan sources: auto_plan, transformers (the model's own TP plan, where it has one)")
     parser.add_argument("--json", default="zoo.json", help="where to write the results as JSON")
     parser.add_argument("--no-write", action="store_true", help="do not rewrite the table in the plan README")
+    parser.add_argument("--from-json", help="write the table of an earlier run's JSON instead of running")
     args = parser.parse_args()
     meshes = [parse_mesh_spec(m) for m in (args.mesh or ["tp=2", "dp=2,tp=2"])]
     archs, excluded = zoo_architectures()
@@ -43,13 +44,16 @@ def main() -> None:
             parser.error(f"not decoder-only causal LMs of this transformers: {sorted(unknown)}")
         archs = [a for a in archs if a[0] in wanted]
     results, started = [], time.time()
-    for mesh in meshes:
+    if args.from_json:
+        results = [ZooResult(**r) for r in json.loads(Path(args.from_json).read_text())]
+    for mesh in meshes if not args.from_json else []:
         results += run_zoo(mesh, archs, plans=tuple(args.plans.split(",")))
     results.sort(key=lambda r: (r.arch, r.plan, len(r.mesh)))
     table = zoo_table(results, excluded)
     print(table)
     print(f"{len(results)} runs in {time.time() - started:.0f} s")
-    Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    if not args.from_json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     if not args.no_write:
         import transformers
         import torch
