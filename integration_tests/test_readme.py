@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from vescale.core.testing.reference import assert_first_adamw_step
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -13,25 +15,6 @@ def _example() -> str:
     text = README.read_text()
     section = text.split("## Parallelize an unmodified Hugging Face model", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
-def _assert_first_adamw_step(name, w, w_ref, g, g_ref, lr: float, eps: float = 1e-8) -> None:
-    """``w``, one AdamW step (default betas, ``eps``) from the single-device initial weights with gradient ``g``,
-    against ``w_ref``, the same step with ``g_ref``, at a bound derived from the step rather than fp32 epsilon.
-
-    The first step moves a weight by ``-lr * u(g)``, ``u(g) = g / (|g| + eps)`` (the bias corrections cancel; weight
-    decay scales both by the same ``1 - lr * wd``). So the two runs' weights differ by ``lr * |u(g) - u(g_ref)|``
-    (<= 2 lr), plus fp32 rounding of the update and the weight (a few ulp: ``1e-6 * (|w_ref| + lr)``). The gradients
-    are checked tightly beforehand; their rounding differences, which depend on the CPU's kernels, matter here only
-    where ``|g|`` is near ``eps``: Adam divides a near-zero gradient by its own magnitude.
-    """
-    u, u_ref = (t.double() / (t.double().abs() + eps) for t in (g, g_ref))
-    bound = lr * (u - u_ref).abs() + 1e-6 * (w_ref.double().abs() + lr)
-    excess = (w.double() - w_ref.double()).abs() - bound
-    worst = int(excess.flatten().argmax())
-    assert excess.max() <= 0, (f"{name}: element {worst} is {w.flatten()[worst].item()!r}, one device "
-                               f"{w_ref.flatten()[worst].item()!r}; bound {bound.flatten()[worst].item():.3g} "
-                               f"(gradient {g.flatten()[worst].item():.3g} vs {g_ref.flatten()[worst].item():.3g})")
 
 
 def _run_example(code: str):
@@ -72,7 +55,7 @@ def _run_example(code: str):
         # AdamW's exp_avg after one step is (1 - beta1) * g: the optimizer saw this gradient, no constant factor
         # (which Adam's update itself would hide); then the weights within what the step makes of the gradients.
         torch.testing.assert_close(full(opt.state[p]["exp_avg"]), 0.1 * grads[name], rtol=1e-6, atol=0, msg=name)
-        _assert_first_adamw_step(name, full(p.detach()), ref.get_parameter(name).detach(), grads[name],
+        assert_first_adamw_step(name, full(p.detach()), ref.get_parameter(name).detach(), grads[name],
                                  ref_grads[name], lr=1e-3)
     return float(namespace["loss"])
 

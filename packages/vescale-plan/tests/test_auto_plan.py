@@ -3,8 +3,9 @@ no more than the hand-written Megatron-style plan's (vescale.parallel.plans).
 
 Tolerance, not bitwise: fp32, rtol 1e-5 (atol 1e-6 on logits, 1e-5 on gradients of O(1) size): tensor parallelism
 changes the order of the reductions. Weights after an AdamW step are compared at the bound the step derives from
-the gradients' difference (:func:`_assert_first_adamw_step`), not at fp32 epsilon: Adam divides a near-zero gradient
-by its own magnitude, so the CPU's kernels' rounding can move such a weight by up to ~lr.
+the gradients' difference (:func:`vescale.core.testing.reference.assert_first_adamw_step`), not at fp32 epsilon:
+Adam divides a near-zero gradient by its own magnitude, so the CPU's kernels' rounding can move such a weight by up
+to ~lr.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from vescale.core.testing import multi_rank
+from vescale.core.testing.reference import assert_first_adamw_step
 
 MODELS = ["gpt", "llama", "qwen2", "mistral", "mixtral", "gpt2"]
 
@@ -166,33 +168,13 @@ def _reference_step(ids: torch.Tensor, targets: torch.Tensor, lr: float):
     return loss.detach(), grads, {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
-def _assert_first_adamw_step(name: str, w: torch.Tensor, w_ref: torch.Tensor, g: torch.Tensor, g_ref: torch.Tensor,
-                             lr: float, eps: float = 1e-8) -> None:
-    """``w``, one AdamW step (default betas, ``eps``) from the single-device initial weights with gradient ``g``,
-    against ``w_ref``, the same step with ``g_ref``, at a bound derived from the step rather than fp32 epsilon.
-
-    The first step moves a weight by ``-lr * u(g)``, ``u(g) = g / (|g| + eps)`` (the bias corrections cancel; weight
-    decay scales both by the same ``1 - lr * wd``). So the two runs' weights differ by ``lr * |u(g) - u(g_ref)|``
-    (<= 2 lr), plus fp32 rounding of the update and the weight (a few ulp: ``1e-6 * (|w_ref| + lr)``). The
-    gradients were checked tightly (rtol 1e-5) beforehand; their rounding differences, which depend on the CPU's
-    kernels, matter here only where ``|g|`` is near ``eps``: Adam divides a near-zero gradient by its own magnitude.
-    """
-    u, u_ref = (t.double() / (t.double().abs() + eps) for t in (g, g_ref))
-    bound = lr * (u - u_ref).abs() + 1e-6 * (w_ref.double().abs() + lr)
-    excess = (w.double() - w_ref.double()).abs() - bound
-    worst = int(excess.flatten().argmax())
-    assert excess.max() <= 0, (f"{name}: element {worst} is {w.flatten()[worst].item()!r}, one device "
-                               f"{w_ref.flatten()[worst].item()!r}; bound {bound.flatten()[worst].item():.3g} "
-                               f"(gradient {g.flatten()[worst].item():.3g} vs {g_ref.flatten()[worst].item():.3g})")
-
-
 @multi_rank(world_sizes=[4])
 def test_auto_parallelize_dp_zero1_tp_matches_single_device(world_size):
     """auto_parallelize restricted to dp=2 x tp=2 with ZeRO 1: it applies the auto plan on tp, wraps the model in
     DistributedDataParallel(zero_stage=1) and its optimizer factory gives a DistributedOptimizer; each rank's loss on
     its dp slice, the gradients (dp average) and the AdamW-updated weights equal the single-device run on the global
     batch: the loss and gradients at fp32 tolerance (rtol 1e-5), the weights within what one AdamW step makes of
-    those gradients' rounding differences (see :func:`_assert_first_adamw_step`)."""
+    those gradients' rounding differences (see :func:`vescale.core.testing.reference.assert_first_adamw_step`)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -232,7 +214,7 @@ def test_auto_parallelize_dp_zero1_tp_matches_single_device(world_size):
             torch.testing.assert_close(opt.optimizer.state[pc.master]["exp_avg"], 0.1 * mine, rtol=1e-6, atol=0,
                                        msg=pc.fqn)
     for name, p in result.model.named_parameters():
-        _assert_first_adamw_step(name, _full(p.detach()), ref_weights[name], grads[name], ref_grads[name], lr=1e-2)
+        assert_first_adamw_step(name, _full(p.detach()), ref_weights[name], grads[name], ref_grads[name], lr=1e-2)
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 2), (2, 2, 1)])
@@ -242,7 +224,7 @@ def test_auto_parallelize_pipeline_matches_single_device(world_size, shape):
     with vescale.pipe, shards each stage with the plan's parameter entries (embedding replicated) and runs a 1F1B
     PipeEngine over 4 microbatches (2 per dp rank with dp); the (dp-averaged) loss and every gradient equal the
     single-device run on the global batch (fp32, rtol 1e-5), the AdamW-updated weights within what one step makes of
-    the gradients' rounding differences (see :func:`_assert_first_adamw_step`)."""
+    the gradients' rounding differences (see :func:`vescale.core.testing.reference.assert_first_adamw_step`)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -279,7 +261,7 @@ def test_auto_parallelize_pipeline_matches_single_device(world_size, shape):
         for name, p in stage.named_parameters():
             # exp_avg = (1 - beta1) * g after one step: the optimizer saw this gradient, no hidden constant factor
             torch.testing.assert_close(_full(opt.state[p]["exp_avg"]), 0.1 * grads[name], rtol=1e-6, atol=0, msg=name)
-            _assert_first_adamw_step(name, _full(p.detach()), ref_weights[name], grads[name], ref_grads[name], lr=1e-2)
+            assert_first_adamw_step(name, _full(p.detach()), ref_weights[name], grads[name], ref_grads[name], lr=1e-2)
 
 
 def transformers_tp_plan(model, mesh) -> dict:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["ReferenceRun", "reference_training", "reference_gradients", "data_parallel_training", "one_thread",
+__all__ = ["assert_first_adamw_step", "ReferenceRun", "reference_training", "reference_gradients", "data_parallel_training", "one_thread",
            "single_threaded", "progression_batch"]
 
 #: ``step -> (inputs, targets)``: the global batch of a step, the same on every rank and in the reference.
@@ -186,3 +186,23 @@ def progression_batch(seed: int, batch: int, seq: int, vocab: int) -> tuple[torc
     stride = torch.randint(1, 4, (batch, 1), generator=g)
     tokens = (start + stride * torch.arange(seq + 1)) % vocab
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def assert_first_adamw_step(name: str, w: torch.Tensor, w_ref: torch.Tensor, g: torch.Tensor, g_ref: torch.Tensor,
+                             lr: float, eps: float = 1e-8) -> None:
+    """``w``, one AdamW step (default betas, ``eps``) from the single-device initial weights with gradient ``g``,
+    against ``w_ref``, the same step with ``g_ref``, at a bound derived from the step rather than fp32 epsilon.
+
+    The first step moves a weight by ``-lr * u(g)``, ``u(g) = g / (|g| + eps)`` (the bias corrections cancel; weight
+    decay scales both by the same ``1 - lr * wd``). So the two runs' weights differ by ``lr * |u(g) - u(g_ref)|``
+    (<= 2 lr), plus fp32 rounding of the update and the weight (a few ulp: ``1e-6 * (|w_ref| + lr)``). The
+    gradients were checked tightly (rtol 1e-5) beforehand; their rounding differences, which depend on the CPU's
+    kernels, matter here only where ``|g|`` is near ``eps``: Adam divides a near-zero gradient by its own magnitude.
+    """
+    u, u_ref = (t.double() / (t.double().abs() + eps) for t in (g, g_ref))
+    bound = lr * (u - u_ref).abs() + 1e-6 * (w_ref.double().abs() + lr)
+    excess = (w.double() - w_ref.double()).abs() - bound
+    worst = int(excess.flatten().argmax())
+    assert excess.max() <= 0, (f"{name}: element {worst} is {w.flatten()[worst].item()!r}, one device "
+                               f"{w_ref.flatten()[worst].item()!r}; bound {bound.flatten()[worst].item():.3g} "
+                               f"(gradient {g.flatten()[worst].item():.3g} vs {g_ref.flatten()[worst].item():.3g})")
