@@ -16,7 +16,7 @@ Dropout inside the kernel (``dropout_p > 0``) on DTensors is refused: the kernel
 local generator, which would not reproduce the single-device result (vescale's counter RNG covers
 ``nn.Dropout``, not fused attention dropout). Set the attention dropout to 0 or use eager attention.
 
-* ``aten._grouped_mm`` (Hugging Face's default MoE experts kernel) with replicated operands: computed locally (torch
+* ``aten._grouped_mm`` (Hugging Face's default MoE experts kernel): operands replicated, then computed locally (torch
   has no rule, and its CPU meta kernel refuses fp32; see :func:`_grouped_mm_on_replicated`).
 
 Built on torch's private ``torch.distributed.tensor._ops`` registration API (the same one torch's own rules use).
@@ -135,19 +135,24 @@ def _grouped_mm_on_replicated(op_call, args: tuple, kwargs: dict):
 
     torch has no sharding rule for it, and DTensor's fallback (running the op on fake tensors for the output's shape)
     fails on CPU, where the meta kernel still demands bf16 while the CPU kernel takes fp32. Replicated operands need
-    no rule: every rank computes the whole result. Sharded operands are refused with the reason.
+    no rule: every rank computes the whole result. Sharded or partial operands are redistributed to replicated
+    first (correct, not the fastest: the tokens of a batch-sharded input are all-gathered).
     """
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
     mesh = tensors[0].device_mesh
     for t in tensors:
-        if t.device_mesh != mesh or not all(isinstance(p, Replicate) for p in t.placements):
-            raise NotImplementedError(
-                f"aten._grouped_mm on DTensors: only replicated operands are supported, got an operand of shape "
-                f"{tuple(t.shape)} placed {tuple(t.placements)} on {t.device_mesh}; replicate the experts (or run "
-                "the experts module on local shards with a '.local' plan entry)")
+        if t.device_mesh != mesh:
+            raise NotImplementedError(f"aten._grouped_mm on DTensors of different meshes: {t.device_mesh} and {mesh}")
+    replicate = [Replicate()] * mesh.ndim
 
     def local(a):
-        return a._local_tensor if isinstance(a, DTensor) else a  # below autograd: the local tensor itself
+        if not isinstance(a, DTensor):
+            return a
+        if not all(isinstance(p, Replicate) for p in a.placements):
+            # a sharded or partial operand (the tokens of a batch-sharded MoE input) is gathered first: every rank
+            # then computes the whole result, as with replicated operands
+            a = a.redistribute(mesh, replicate)
+        return a._local_tensor  # below autograd: the local tensor itself
 
     out = op_call(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
     return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
