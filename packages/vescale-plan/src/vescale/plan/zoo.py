@@ -311,13 +311,16 @@ def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = Non
 
 def zoo_table(results: list[ZooResult], excluded: list[tuple[str, str, str]] = ()) -> str:
     """The sweep as a Markdown table (one row per architecture and mesh), a summary line, and the excluded list."""
-    tested = [r for r in results if r.result != "skipped"]
-    passed = sum(r.result == "pass" for r in tested)
-    lines = [f"{passed} of {len(tested)} runs pass ({100 * passed / max(len(tested), 1):.0f} %); "
-             f"{sum(r.result == 'mismatch' for r in tested)} numerical mismatches; "
-             f"{sum(r.result == 'skipped' for r in results)} skipped.", "",
-             "| architecture | model | mesh | plan | result | collectives / step | reason |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = []
+    for plan in sorted({r.plan for r in results}):
+        ran = [r for r in results if r.plan == plan]
+        tested = [r for r in ran if r.result != "skipped"]
+        count = {k: sum(r.result == k for r in ran) for k in ("pass", "refused", "error", "mismatch", "skipped")}
+        lines.append(f"- `{plan}`: {count['pass']} of {len(tested)} runs pass "
+                     f"({100 * count['pass'] / max(len(tested), 1):.0f} %), {count['refused']} refused, "
+                     f"{count['error']} error, {count['mismatch']} numerical mismatch; {count['skipped']} skipped.")
+    lines += ["", "| architecture | model | mesh | plan | result | collectives / step | reason |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         reason = r.reason.replace("|", "\\|")
         lines.append(f"| {r.arch} | {r.model} | {r.mesh} | {r.plan} | {r.result} | "
