@@ -491,10 +491,7 @@ def _boundary_one(x: Any, key: Any, planned: dict) -> Any:
         return x if planned[key] is None else x.to_local()
     if isinstance(x, DTensor):
         return _redistribute(x, x.device_mesh, (Replicate(),) * x.device_mesh.ndim).to_local()
-    if isinstance(x, (tuple, list)) and any(isinstance(v, (DTensor, Mapping, tuple, list)) for v in x):
-        items = [_boundary_one(v, None, {}) for v in x]
-        return type(x)(items) if isinstance(x, list) else tuple(items)
-    if isinstance(x, Mapping):
+    if isinstance(x, (tuple, list, Mapping)):
         return _to_boundary(x, {})
     return x
 
