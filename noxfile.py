@@ -20,7 +20,7 @@ TORCH = "torch==2.13.*"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests", "integration"]
 
-# Each package and the vescale siblings it declares (the dependency direction of DESIGN.md).
+# Each package and the vescale siblings it declares (the dependency direction of docs/architecture.md).
 PACKAGES: dict[str, list[str]] = {
     "vescale-core": [],
     "vescale-dtensor": ["vescale-core"],

@@ -66,7 +66,7 @@ def _zero(dp: int):
     from vescale.parallel import DistributedDataParallel, DistributedOptimizer
 
     ddp = DistributedDataParallel(_net(), init_mesh({"dp": dp})["dp"], bucket_size_mb=0.0003)  # several buckets
-    return ddp, DistributedOptimizer(torch.optim.AdamW, ddp, zero_stage=1, lr=1e-2, weight_decay=0.1)
+    return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, zero_stage=1, lr=1e-2, weight_decay=0.1)
 
 
 def _zero_save(path: str) -> None:
@@ -125,7 +125,7 @@ def test_zero_optimizer_reshards_to_any_dp_and_to_plain(tmp_path):
 def _zero_async_save(sync_path: str, async_path: str) -> float:
     import time
 
-    from vescale.checkpoint import _save
+    from vescale.checkpoint import _snapshot
 
     ddp, opt = _zero(2)
 
@@ -137,14 +137,14 @@ def _zero_async_save(sync_path: str, async_path: str) -> float:
     step(0)
     state = {"model": ddp, "optim": opt, "step": 1}
     checkpoint.save(sync_path, state)
-    copy = _save._copy_deferred
-    _save._copy_deferred = lambda deferred: (time.sleep(0.5), copy(deferred))
+    copy = _snapshot.copy_deferred
+    _snapshot.copy_deferred = lambda deferred: (time.sleep(0.5), copy(deferred))
     try:
         handle = checkpoint.save(async_path, state, async_save=True)
         step(1)  # ZeRO's step runs the wrapped torch optimizer's step, which waits for the background copy
         handle.wait()
     finally:
-        _save._copy_deferred = copy
+        _snapshot.copy_deferred = copy
     return handle.fence_wait_s
 
 

@@ -8,28 +8,18 @@ functions are checked here on CPU/gloo ranks of the pooled harness and, with ``@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
+from vescale.core.mesh import parse_mesh_spec
 from vescale.core.testing import multi_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _load_train():
-    name = "vescale_tools_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-train = _load_train()
+sys.path.insert(0, str(ROOT / "tools"))  # tools/train.py imports by name, as do config, models, data, report
+import train  # noqa: E402
 
 
 def _gather_on_rank_device() -> tuple[str, list[list[float]], str]:
@@ -58,7 +48,7 @@ def test_summary_of_a_short_dp2_run_has_every_rank(tmp_path, ranks):
     """The real end of ``train``: the summary's per-rank lists come from the gather, one entry per rank."""
     cfg = train.TrainConfig(mesh="dp=2", model="gpt-tiny", steps=2, batch_size=4, seq_len=8, warmup=1,
                             out=str(tmp_path), trace_steps=0, quiet=True)
-    cfg.dims = train.parse_mesh_spec(cfg.mesh)
+    cfg.dims = parse_mesh_spec(cfg.mesh)
     summary, other = ranks(train.train, 2, cfg)
     assert other == {}
     assert len(summary["peak_memory_mb_per_rank"]) == 2 and min(summary["peak_memory_mb_per_rank"]) > 0

@@ -9,7 +9,6 @@ compared bitwise.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,20 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from vescale.core.mesh import parse_mesh_spec
+
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _load_train():
-    name = "vescale_tools_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-train = _load_train()
+sys.path.insert(0, str(ROOT / "tools"))  # tools/train.py imports by name, as do config, models, data, report
+import train  # noqa: E402
 
 STEPS = 6
 MESHES = [
@@ -43,7 +34,7 @@ MESHES = [
 def _cfg(mesh: str, out: Path, model: str = "gpt-tiny", **kw) -> train.TrainConfig:
     cfg = train.TrainConfig(mesh=mesh, model=model, steps=STEPS, batch_size=8, seq_len=16, lr=3e-3, warmup=2,
                             out=str(out), trace_steps=0, quiet=True, microbatches=4, **kw)
-    cfg.dims = train.parse_mesh_spec(mesh)
+    cfg.dims = parse_mesh_spec(mesh)
     return cfg
 
 
@@ -77,9 +68,10 @@ def _init_state(cfg: train.TrainConfig) -> tuple[dict, int]:
     """Build the trainer of ``cfg`` on this rank; return the full value of every tensor it holds, and its init bytes."""
     from torch.distributed.tensor import DTensor
 
-    trainer = train.Trainer(cfg, train.init_mesh(cfg.dims))
+    trainer = train.build_trainer(cfg, train.init_mesh(cfg.dims))
+    model = trainer.state["model"]  # the model, or this rank's pipeline stages
     held = {}
-    for module in trainer.trained if trainer.engine is not None else [trainer.model]:
+    for module in model if isinstance(model, list) else [model]:
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             held[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
     return held, trainer.init_bytes

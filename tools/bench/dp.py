@@ -94,7 +94,7 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
         from vescale.parallel import DistributedDataParallel, DistributedOptimizer
 
         model = DistributedDataParallel(model, dist.group.WORLD, zero_stage=2)
-        opt = DistributedOptimizer(torch.optim.AdamW, model, zero_stage=2, lr=1e-4)
+        opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=2, lr=1e-4)
     else:
         raise ValueError(method)
 

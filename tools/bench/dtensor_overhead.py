@@ -40,12 +40,15 @@ def _ops(small: bool) -> dict[str, dict[str, float]]:
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard, init_device_mesh
     from torch.distributed.tensor import distribute_tensor as torch_distribute
-    from torch.distributed.tensor._utils import ExplicitRedistributionContext
+
+    from vescale.core.torch_internals import ExplicitRedistributionContext
 
     torch_hook = ExplicitRedistributionContext.__dict__["observe_redistribution"]
     import vescale.dtensor as vd
     from vescale.dtensor import random, strict
+    from vescale.dtensor.strict import install as install_strict_hook
 
+    install_strict_hook()  # vescale installs it on first use; the vescale modes time it
     vescale_hook = ExplicitRedistributionContext.__dict__["observe_redistribution"]
     torch.set_num_threads(1)  # both modes alike; the ranks share the machine's cores
     n = 64 if small else 256
@@ -68,7 +71,10 @@ def _ops(small: bool) -> dict[str, dict[str, float]]:
 
     # vescale's distribute_tensor returns torch's DTensor with the same spec; one set of tensors serves every mode so
     # that allocation placement (which alone moves an 8 us op by ~10% here) does not masquerade as overhead.
-    assert vd.distribute_tensor(x_full, mesh, [Shard(0)])._spec == torch_distribute(x_full, mesh, [Shard(0)])._spec
+    def layout(t):
+        return t.device_mesh, t.placements, t.shape, t.stride(), t.dtype
+
+    assert layout(vd.distribute_tensor(x_full, mesh, [Shard(0)])) == layout(torch_distribute(x_full, mesh, [Shard(0)]))
     ops = build(vd.distribute_tensor)
     modes = {"torch": ops, "vescale": ops, "vescale_strict": ops}
     best: dict[str, dict[str, float]] = {m: {} for m in modes}

@@ -39,7 +39,7 @@ def planning_time() -> dict:
     for _ in range(3):
         t0, c0 = time.perf_counter(), time.process_time()
         trace = trace_model(model)
-        plan = plan_from_trace(trace, ["dp", "tp"], {"dp": 8, "tp": 8})
+        plan = plan_from_trace(trace, ["dp", "tp"], {"dp": 8, "tp": 8}, sequence_parallel=True)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     t0 = time.perf_counter()
@@ -48,7 +48,7 @@ def planning_time() -> dict:
     c = report.chosen
     return {"params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 2),
             "plan_s": round(min(times), 3), "plan_cpu_s": round(min(cpu), 3), "plan_target_s": 2.0,
-            "plan_entries": len(plan["parameter"]) + len(plan["forward"]),
+            "plan_entries": sum(len(section) for section in plan.values()),
             "sharded_params": sum(1 for d in plan.decisions if d.kind == "parameter" and d.role != "replicated"),
             "choose_64_ranks_s": round(choose_s, 3), "candidates": len(report.candidates),
             "chosen": {"pp": c.pp, "dp": c.dp, "tp": c.tp, "zero": c.zero_stage, "mem_gb": round(c.memory_gb, 1),
@@ -59,10 +59,11 @@ def _steps(small: bool) -> dict:
     import torch
     import torch.distributed as dist
 
+    from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh
     from vescale.core.testing.models import GPT, GPTConfig
     from vescale.parallel import parallelize_module, plans
-    from vescale.plan import CommCounter, auto_plan
+    from vescale.plan import auto_plan
 
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=256, d_model=64, n_layer=2, n_head=4, max_seq_len=64) if small else \
@@ -82,7 +83,7 @@ def _steps(small: bool) -> dict:
         for name, model in models.items():
             dist.barrier()
             t0 = time.perf_counter()
-            with CommCounter() as comm:
+            with count_comms(mesh) as comm:
                 model(ids).float().pow(2).mean().backward()
             t = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

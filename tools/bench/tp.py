@@ -12,9 +12,9 @@ One training step (forward, vocab-parallel loss, backward, SGD step) of the Llam
 
 Both run in the same rank processes, steps interleaved (vescale, torch, vescale, ...) so machine noise hits both.
 Reports the median step time of the slowest rank, the ratio vescale / torch (target <= 1.05), the bytes each rank
-sends through collectives per step (payload of every all-reduce / all-gather / reduce-scatter / all-to-all issued,
-counted at the dispatcher and at ``torch.distributed``), their ratio (target 1.0), and the loss difference after
-the steps as a sanity check. Prints one JSON object.
+hands to collectives per step (the inputs of every collective issued, functional or ``torch.distributed``, counted by
+:class:`vescale.core.comm.CommCounter`), their ratio (target 1.0), and the loss difference after the steps as a
+sanity check. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -31,69 +31,6 @@ def _config(small: bool):
     if small:
         return GPTConfig(vocab_size=512, d_model=64, n_layer=2, n_head=4, ffn_hidden=192, max_seq_len=64), 4, 64
     return GPTConfig(vocab_size=8192, d_model=512, n_layer=6, n_head=8, ffn_hidden=1408, max_seq_len=256), 4, 256
-
-
-class _ByteCounter:
-    """Bytes this rank hands to collectives: functional collectives (DTensor) and eager ``torch.distributed`` calls."""
-
-    _FUNCS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-              "all_reduce_coalesced", "all_gather", "reduce_scatter", "broadcast")
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                ns = func.namespace
-                if ns in ("_c10d_functional", "c10d_functional", "c10d"):
-                    counter.add(func.__name__, args)
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-        self.bytes = 0
-        self.calls: dict[str, int] = {}
-
-    def add(self, name: str, args) -> None:
-        import torch
-
-        base = name.split(".")[0]
-        if base not in self._FUNCS:  # wait_tensor and friends move no data
-            return
-        t = args[0]
-        tensors = t if isinstance(t, (list, tuple)) else [t]
-        n = sum(x.numel() * x.element_size() for x in tensors if isinstance(x, torch.Tensor))
-        if base == "all_gather_into_tensor":
-            n *= int(args[1])  # (input, group_size, group_name): count the gathered output
-        self.bytes += n
-        self.calls[base] = self.calls.get(base, 0) + 1
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        self._orig = {}
-        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-            orig = getattr(dist, name)
-            self._orig[name] = orig
-
-            def wrapped(*a, _orig=orig, _name=name, **k):
-                # all_reduce(tensor), all_gather_into_tensor(output, input), reduce_scatter_tensor(output, input)
-                tensor = a[1] if _name == "reduce_scatter_tensor" else a[0]
-                self.bytes += tensor.numel() * tensor.element_size()
-                self.calls["dist." + _name] = self.calls.get("dist." + _name, 0) + 1
-                return _orig(*a, **k)
-
-            setattr(dist, name, wrapped)
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import torch.distributed as dist
-
-        self.mode.__exit__(*exc)
-        for name, orig in self._orig.items():
-            setattr(dist, name, orig)
 
 
 def _torch_plan(model, mesh):
@@ -133,6 +70,7 @@ def _rank_main(small: bool, tp: int, steps: int, warmup: int) -> dict:
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
+    from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh
     from vescale.core.testing.models import GPT
     from vescale.parallel import parallelize_module, vocab_parallel_cross_entropy
@@ -170,9 +108,9 @@ def _rank_main(small: bool, tp: int, steps: int, warmup: int) -> dict:
         opt_theirs.zero_grad(set_to_none=True)
         return loss.to_local().item()
 
-    with _ByteCounter() as c_ours:
+    with count_comms(mesh) as c_ours:
         step_ours()
-    with _ByteCounter() as c_theirs:
+    with count_comms(mesh) as c_theirs:
         step_theirs()
     for _ in range(warmup):
         step_ours()
@@ -191,9 +129,9 @@ def _rank_main(small: bool, tp: int, steps: int, warmup: int) -> dict:
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     return {"tp": tp, "params": n_params, "vescale_step_s": round(med[0].item(), 4),
             "torch_step_s": round(med[1].item(), 4), "time_ratio": round(med[0].item() / med[1].item(), 3),
-            "vescale_bytes_per_step": c_ours.bytes, "torch_bytes_per_step": c_theirs.bytes,
-            "bytes_ratio": round(c_ours.bytes / max(c_theirs.bytes, 1), 4),
-            "vescale_collectives": c_ours.calls, "torch_collectives": c_theirs.calls,
+            "vescale_bytes_per_step": c_ours.total_bytes, "torch_bytes_per_step": c_theirs.total_bytes,
+            "bytes_ratio": round(c_ours.total_bytes / max(c_theirs.total_bytes, 1), 4),
+            "vescale_collectives": dict(c_ours.counts), "torch_collectives": dict(c_theirs.counts),
             "loss_diff_after_steps": abs(loss_ours - loss_theirs)}
 
 

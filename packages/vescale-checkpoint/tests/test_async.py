@@ -57,14 +57,14 @@ def test_async_save_overlaps_training(tmp_path):
     import torch
 
     from vescale import checkpoint
-    from vescale.checkpoint import _save, _storage
+    from vescale.checkpoint import _save, _snapshot, _storage
 
     m, opt = _parallel(0)
     _train(m, opt, 1)
     state = {"model": m, "optim": opt, "step": 1}
     path = os.path.join(tmp_path, "ckpt")
 
-    write, copy_slice = _storage.Storage.write_file, _save._COPY_SLICE
+    write, copy_slice = _storage.Storage.write_file, _snapshot._COPY_SLICE
 
     def slow_write(self, *args, **kwargs):
         time.sleep(0.5)
@@ -79,14 +79,14 @@ def test_async_save_overlaps_training(tmp_path):
         in_flight = not handle.done()
         after = _full(state)
         plan = _save._cached
-        _save._COPY_SLICE = 64  # two threads snapshot in 64-byte slices
+        _snapshot._COPY_SLICE = 64  # two threads snapshot in 64-byte slices
         handle2 = checkpoint.save(path + "2", state, async_save=True, threads=2)  # waits for the first, reuses
         # the plan
         assert handle.done() and _save._cached is plan
         handle2.wait()
     finally:
         _storage.Storage.write_file = write
-        _save._COPY_SLICE = copy_slice
+        _snapshot._COPY_SLICE = copy_slice
     assert in_flight, "the save finished before the training steps; the overlap was not exercised"
     handle.wait()
 
@@ -141,16 +141,16 @@ def _slow_background_copy(seconds):
     """Delay the background part of async snapshots by ``seconds``; returns the function that undoes it."""
     import time
 
-    from vescale.checkpoint import _save
+    from vescale.checkpoint import _snapshot
 
-    copy = _save._copy_deferred
+    copy = _snapshot.copy_deferred
 
     def slow(deferred):
         time.sleep(seconds)
         return copy(deferred)
 
-    _save._copy_deferred = slow
-    return lambda: setattr(_save, "_copy_deferred", copy)
+    _snapshot.copy_deferred = slow
+    return lambda: setattr(_snapshot, "copy_deferred", copy)
 
 
 @multi_rank(world_sizes=[2])

@@ -40,19 +40,19 @@ def _sharded(full: dict[str, torch.Tensor], dim: int) -> dict:
 
 @multi_rank(world_sizes=[2])
 def test_column_blocks_of_row_shards_and_chunk_checks_spread(tmp_path):
-    from vescale.checkpoint import _local_read, _reader, _save
+    from vescale.checkpoint import _data_file, _local_read, _reader
 
-    chunk, check = _save.CHUNK_BYTES, _reader.check_chunks
+    chunk, check = _data_file.CHUNK_BYTES, _reader.check_chunks
     try:  # the ranks are pooled workers: patches are undone before they run the next test
-        _column_blocks(tmp_path, _local_read, _reader, _save)
+        _column_blocks(tmp_path, _local_read, _reader, _data_file)
     finally:
-        _save.CHUNK_BYTES, _local_read.check_chunks, _reader.check_chunks = chunk, check, check
+        _data_file.CHUNK_BYTES, _local_read.check_chunks, _reader.check_chunks = chunk, check, check
 
 
-def _column_blocks(tmp_path, _local_read, _reader, _save) -> None:
+def _column_blocks(tmp_path, _local_read, _reader, _data_file) -> None:
     import torch.distributed as dist
 
-    _save.CHUNK_BYTES = 256  # several checksum chunks per shard
+    _data_file.CHUNK_BYTES = 256  # several checksum chunks per shard
     rank = dist.get_rank()
     path = os.path.join(tmp_path, "ckpt")
     ref = _reference(0)

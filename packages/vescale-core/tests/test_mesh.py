@@ -50,3 +50,26 @@ def test_init_mesh_errors_are_clear(world_size):
         init_mesh({"dp": 0})
     mesh = init_mesh({"foo": world_size}, order=("foo",))
     assert mesh.mesh_dim_names == ("foo",)
+
+
+@multi_rank(world_sizes=[4])
+def test_dim_mesh_and_dim_group_resolve_a_dimension_by_name():
+    import torch.distributed as dist
+
+    from vescale.core.mesh import dim_group, dim_mesh, init_mesh
+
+    rank = dist.get_rank()
+    mesh = init_mesh({"dp": 2, "tp": 2})
+    assert dim_mesh(mesh, "dp").mesh.tolist() == [rank % 2, rank % 2 + 2]
+    assert dim_mesh(mesh, ("tp", "dp")).mesh_dim_names == ("dp", "tp")
+    assert dim_mesh(mesh, "pp") is None and dim_mesh(mesh, ("dp", "pp")) is None
+    group, name = dim_group(mesh, "tp")
+    assert name == "tp" and dist.get_process_group_ranks(group) == [2 * (rank // 2), 2 * (rank // 2) + 1]
+    assert dim_group(mesh, "ep") is None
+    # a 1-D mesh is the dimension asked for (the data-parallel APIs' convention) unless whole_if_1d=False
+    flat = init_mesh({"tp": 4})
+    assert dim_mesh(flat, "dp") is flat and dim_mesh(flat, "dp", whole_if_1d=False) is None
+    group, name = dim_group(flat, "dp")
+    assert name == "tp" and dist.get_process_group_ranks(group) == [0, 1, 2, 3]
+    # a process group is taken as is, under the name asked for
+    assert dim_group(dist.group.WORLD, "dp") == (dist.group.WORLD, "dp")

@@ -248,3 +248,48 @@ def test_materialize_rejects_bad_plans():
     tied = deferred_init(_tied_pair)
     with pytest.raises(DeferredInitError, match="tied tensors"):
         materialize(tied, mesh, {"0.weight": (Shard(0),), "1.weight": (Shard(1),)})
+
+
+@multi_rank(world_sizes=[2, 4])
+def test_materialize_replicated_over_a_mesh_is_the_whole_reference(world_size):
+    """``materialize(m, replicate_over=mesh)``: every rank holds the whole model as plain tensors, bitwise the
+    single-device materialisation; parameters whose first dim divides by the mesh size were computed as shards (then
+    all-gathered), the rest whole; tied parameters stay one object. A 2-D mesh or a mesh and a plan are refused."""
+    import pytest
+    import torch
+
+    from vescale.core.testing.models import GPT, GPTConfig
+    from vescale.dtensor import (
+        DeferredInitError,
+        DTensor,
+        Shard,
+        deferred_init,
+        init_device_mesh,
+        materialize,
+    )
+    from vescale.dtensor import random as R
+
+    cfg = GPTConfig(vocab_size=34, d_model=32, n_layer=2, n_head=4, n_kv_head=2, tie_embeddings=True)
+    R.manual_seed(9)
+    ref = materialize(deferred_init(GPT, cfg))
+    mesh = init_device_mesh("cpu", (world_size,))
+    R.manual_seed(9)
+    m = deferred_init(GPT, cfg)
+    report = {}
+    assert materialize(m, replicate_over=mesh, report=report) is m
+    want = dict(ref.named_parameters()) | dict(ref.named_buffers())
+    got = dict(m.named_parameters()) | dict(m.named_buffers())
+    assert got.keys() == want.keys()
+    for name, t in got.items():
+        assert not isinstance(t, DTensor) and not t.is_meta, name
+        assert torch.equal(t, want[name]), name
+    assert m.lm_head.weight is m.embed.weight
+    divisible = {n for n, p in ref.named_parameters(remove_duplicate=False) if p.shape[0] % world_size == 0}
+    assert ("embed.weight" in divisible) == (world_size == 2)  # vocab 34: split on 2 ranks, whole on 4
+    assert divisible <= set(report["sharded"])  # (replicated parameters are listed too: computed as they are held)
+    assert "inv_freq" in report["full"]
+    with pytest.raises(DeferredInitError, match="1-D mesh"):
+        materialize(deferred_init(GPT, cfg), replicate_over=init_device_mesh("cpu", (2, world_size // 2)))
+    with pytest.raises(DeferredInitError, match="not both"):
+        materialize(deferred_init(GPT, cfg), mesh, {"embed.weight": (Shard(0),)}, replicate_over=mesh)
+    R.uninstall()  # the pooled ranks serve other packages' tests too

@@ -107,7 +107,8 @@ def test_interleaved_views_keep_provable_placements(world_size):
 def test_nested_shards_on_a_2d_mesh(world_size):
     """Two mesh dims sharding one view group: torch's rule gave local shapes that do not fit for uneven nested
     ``Shard`` (``[12]`` on ``[Shard(0), Shard(0)]`` unflattened to ``[6, 2]``: "shape '[2, 2]' is invalid for input
-    of size 3"); now the group is replicated first. ``expand`` (which changes the element count) keeps torch's rule."""
+    of size 3"); now the group is replicated first. A nested layout torch's rule places wrongly (every output placement is
+    checked element by element, ``view_rules._layout_kept``) is replicated too. ``expand`` (which changes the element count) keeps torch's rule."""
     import torch
 
     from vescale.dtensor import InterleavedShard, Shard, distribute_tensor, init_device_mesh
@@ -118,8 +119,38 @@ def test_nested_shards_on_a_2d_mesh(world_size):
         ((4, 4, 1, 8, 4), [Shard(0), Shard(1)], lambda t: t.expand(4, 4, 2, 8, 4)),
         ((8, 3), [Shard(0), InterleavedShard(0, 2)], lambda t: t.view(24)),
         ((6, 4), [InterleavedShard(0, 3), Shard(1)], lambda t: t.view(3, 2, 4)),
+        # Llama-4's MoE backward: the gradient of `routed_out.reshape(E, T, H).sum(0)` flattened back to [E * T, H]
+        # with tokens on dp and the sequence interleaved on tp; torch's rule placed the result
+        # (_StridedShard(0, sf=4), _StridedShard(0, sf=2)), whose tp pieces are other rows (gradients off by 0.08)
+        ((4, 32, 3), [Shard(1), InterleavedShard(1, 2)], lambda t: t.view(128, 3)),
+        ((4, 6, 3), [Shard(1), InterleavedShard(1, 3)], lambda t: t.reshape(24, 3)),
     ]
     for i, (shape, placements, op) in enumerate(cases):
         full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).view(shape)
         out = op(distribute_tensor(full, mesh, placements))
         assert torch.equal(out.full_tensor(), op(full)), (i, out.placements)
+
+
+@multi_rank(world_sizes=[1, 2])
+def test_view_of_a_tensor_laid_out_unlike_its_declared_strides(world_size):
+    """An elementwise backward of a transposed gradient and a contiguous input: DTensor declares a contiguous result,
+    the local kernel follows the gradient's memory order. ``reshape`` of it (autograd's ``ViewBackward`` does this in
+    Qwen3-Next's and OLMo-Hybrid's linear attention) took the view path and failed on the local tensor; now the local
+    tensor is re-laid as declared and the values are the plain op's. A view invalid for the declared strides still
+    raises."""
+    import pytest
+    import torch
+
+    from vescale.dtensor import Replicate, from_local, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    g = torch.arange(2 * 32 * 8, dtype=torch.float32).view(2, 32, 8).sin().transpose(1, 2)  # [2, 8, 32], transposed
+    x = torch.linspace(-3, 3, 2 * 8 * 32).view(2, 8, 32)
+    ref = torch.ops.aten.softplus_backward(g, x, 1.0, 20.0)
+    out = torch.ops.aten.softplus_backward(from_local(g, mesh, [Replicate()], run_check=False),
+                                           from_local(x, mesh, [Replicate()], run_check=False), 1.0, 20.0)
+    assert out.is_contiguous() and not out.to_local().is_contiguous()  # the disagreement this test is about
+    assert torch.equal(out.reshape(16, 32).full_tensor(), ref.reshape(16, 32))
+    assert torch.equal(out.view(2, 8, 4, 8).full_tensor(), ref.reshape(2, 8, 4, 8))
+    with pytest.raises(RuntimeError):
+        out.transpose(1, 2).view(2, 256)

@@ -283,7 +283,7 @@ def _train_dp_tp(how: str, stage: int, mesh, batches):
     if stage == 0:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=0.9)
     else:
-        opt = DistributedOptimizer(torch.optim.SGD, ddp, zero_stage=stage, lr=0.5, momentum=0.9)
+        opt = DistributedOptimizer(ddp, torch.optim.SGD, zero_stage=stage, lr=0.5, momentum=0.9)
     r = mesh_coordinates(mesh)["dp"]
     losses = []
     for tokens, labels in batches:

@@ -118,7 +118,7 @@ def test_ddp_and_zero_match_single_device(world_size, ref):
         if True:
             what = f"zero{stage} accum={accum} clip={clip}"
             model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, zero_stage=stage)
-            opt = DistributedOptimizer(torch.optim.AdamW, model, zero_stage=stage, clip_grad=clip, lr=LR,
+            opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=stage, clip_grad=clip, lr=LR,
                                        weight_decay=0.1)
             norms = []
             losses = _train(model, opt, rank, world_size, accum=accum,
@@ -153,7 +153,7 @@ def test_zero_state_dict_round_trip_and_layout(world_size, ref):
     rank = dist.get_rank()
 
     model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, zero_stage=1)
-    opt = DistributedOptimizer(torch.optim.AdamW, model, lr=LR, weight_decay=0.1)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
     first = _train(model, opt, rank, world_size, steps=10)
     sd = opt.state_dict()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -175,7 +175,7 @@ def test_zero_state_dict_round_trip_and_layout(world_size, ref):
     fresh = _model(seed=7)
     fresh.load_state_dict(weights)
     model2 = DistributedDataParallel(fresh, mesh, bucket_size_mb=0.004, zero_stage=1)
-    opt2 = DistributedOptimizer(torch.optim.AdamW, model2, lr=1.0, weight_decay=0.0)
+    opt2 = DistributedOptimizer(model2, torch.optim.AdamW, lr=1.0, weight_decay=0.0)
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == LR
     second = data_parallel_training(model2, opt2, _batch, 10, first_step=10, dp_rank=rank, dp=world_size)
@@ -184,7 +184,7 @@ def test_zero_state_dict_round_trip_and_layout(world_size, ref):
 
     # A different bucket layout is refused, naming the parameter.
     model3 = DistributedDataParallel(_model(), mesh, bucket_size_mb=1, zero_stage=1)
-    opt3 = DistributedOptimizer(torch.optim.AdamW, model3, lr=LR)
+    opt3 = DistributedOptimizer(model3, torch.optim.AdamW, lr=LR)
     with pytest.raises(ZeroError, match="reshard with vescale-checkpoint"):
         opt3.load_state_dict(sd)
 
@@ -202,7 +202,7 @@ def test_bf16_params_with_fp32_master_converge_like_fp32(world_size, ref):
     ref_losses, _, ref_state = ref["plain"]
     mesh = init_mesh({"dp": world_size})
     model = DistributedDataParallel(_model().to(torch.bfloat16), mesh, zero_stage=2, grad_dtype=torch.float32)
-    opt = DistributedOptimizer(torch.optim.AdamW, model, zero_stage=2, lr=LR, weight_decay=0.1)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=2, lr=LR, weight_decay=0.1)
     assert all(pc.master.dtype == torch.float32 for pc in opt.pieces.values())
     assert opt.master_bytes() > 0
     # The GPT's rotary tables are fp32; autocast keeps every matmul in bf16.
@@ -237,11 +237,13 @@ def test_bad_input_raises_clear_errors():
         DistributedDataParallel(model, mesh)
     ddp = DistributedDataParallel(_model(), mesh, zero_stage=1)
     with pytest.raises(ZeroError, match="needs a vescale.parallel.DistributedDataParallel"):
-        DistributedOptimizer(torch.optim.AdamW, _model())
+        DistributedOptimizer(_model(), torch.optim.AdamW)
     with pytest.raises(ZeroError, match=r"zero_stage=2\) needs a DistributedDataParallel with zero_stage=2, got .*=1"):
-        DistributedOptimizer(torch.optim.AdamW, ddp, zero_stage=2)
+        DistributedOptimizer(ddp, torch.optim.AdamW, zero_stage=2)
     with pytest.raises(ZeroError, match="LBFGS is not elementwise"):
-        DistributedOptimizer(torch.optim.LBFGS, ddp)
+        DistributedOptimizer(ddp, torch.optim.LBFGS)
+    with pytest.raises(ZeroError, match="the module comes first"):
+        DistributedOptimizer(torch.optim.AdamW, ddp)
 
 
 class _TwoLayer:

@@ -86,7 +86,7 @@ def test_dp_x_tp_matches_single_device(world_size, ref):
         if stage == 0:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
         else:
-            opt = DistributedOptimizer(torch.optim.AdamW, model, zero_stage=stage, clip_grad=clip, lr=LR,
+            opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=stage, clip_grad=clip, lr=LR,
                                        weight_decay=0.1)
         norms = []
         losses = reference.data_parallel_training(

@@ -53,8 +53,8 @@ def test_root_boundary_and_factory_capture():
 
     par = parallelize_module(_net(), mesh, {
         "parameter": {r"scale": [Shard(0)]},
-        "forward": {"input": [[Shard(0)], [Replicate()], None],  # x: each rank passes its half of the batch
-                    "output": [[Shard(0)], None]},           # y: this rank's rows; sum: a DTensor; twice: full
+        "input": {"": [[Shard(0)], [Replicate()], None]},  # x: each rank passes its half of the batch
+        "output": {"": [[Shard(0)], None]},                # y: this rank's rows; sum: a DTensor; twice: full
     })
     my_x = x.chunk(2)[rank].clone().requires_grad_()
     y, y_sum, twice = par(my_x, bias, flag)

@@ -69,8 +69,15 @@ def test_bad_plans_fail_clearly_before_any_collective():
                 "'emb.weight'", "'head.weight'", "tied")
         # plan layout errors
         _expect(mesh, {"params": {}}, "unknown plan section", "'params'")
-        _expect(mesh, {"forward": {"proj.inputs": [[Replicate()]]}}, "'proj.inputs'", ".input")
-        _expect(mesh, {"forward": {r"pro\.input": [[Replicate()]]}}, "'pro'", "match no FQN", "proj")
-        _expect(mesh, {"forward": {"proj.output": [[Replicate(), Replicate()]]}}, "'proj.output'", "2 placement(s)")
-        _expect(mesh, {"forward": {"local": [None]}}, "root module", ".local")
+        _expect(mesh, {"input": {r"pro": [[Replicate()]]}}, "'input'", "'pro'", "match no FQN", "proj")
+        _expect(mesh, {"output": {"proj": [[Replicate(), Replicate()]]}}, "'output'", "'proj'", "2 placement(s)")
+        _expect(mesh, {"local": {"": [None]}}, "'local'", "root module")
+        # one rule for boundary entries: a bare placements list is refused with the wrapped spelling
+        _expect(mesh, {"output": {"proj": [Replicate()]}}, "'output'", "'proj'", "bare placements list",
+                "[[Replicate()]]")
+        _expect(mesh, {"input": {"proj": {"x": Replicate()}}}, "'input'", "'proj'", "argument 'x'", "Replicate()")
+        _expect(mesh, {"input": {1: [None]}}, "'input'", "regex string")
+        # the old single "forward" section is refused, its entries shown in the new spelling
+        _expect(mesh, {"forward": {"proj.output": [[Replicate()]], "input": [None]}}, "'forward'", "old format",
+                "'proj.output' -> plan['output']['proj']", "'input' -> plan['input']['']")
     dist.barrier()

@@ -47,4 +47,4 @@ def test_parallelize_stage_needs_a_parameter_section():
     from vescale.parallel import parallelize_stage
 
     with pytest.raises(PlanError, match="'parameter' section"):
-        parallelize_stage(torch.nn.Linear(2, 2), None, {"forward": {}})
+        parallelize_stage(torch.nn.Linear(2, 2), None, {"output": {}})

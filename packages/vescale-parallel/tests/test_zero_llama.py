@@ -92,7 +92,7 @@ def _llama_body(ref):
         if stage == 0:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
         else:
-            opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), model,
+            opt = DistributedOptimizer(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1),
                                        zero_stage=2)
         losses = torch.stack(_run(model, opt, rows))
         dist.all_reduce(losses)

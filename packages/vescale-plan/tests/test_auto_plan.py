@@ -131,7 +131,7 @@ def test_indivisible_heads_and_vocab_replicate_and_still_match(world_size):
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
     mesh = init_mesh({"tp": 2})
     ref, model = _gpt(n_kv_head=1, vocab_size=65), _gpt(n_kv_head=1, vocab_size=65)
-    plan = auto_plan(model, mesh)
+    plan = auto_plan(model, mesh, sequence_parallel=True)
     roles = {d.fqn: d.role for d in plan.decisions if d.kind == "parameter"}
     assert roles["layers.0.attn.wk.weight"] == "replicated" and roles["embed.weight"] == "replicated"
     assert roles["layers.0.attn.wq.weight"] == "column" and roles["layers.0.mlp.w_down.weight"] == "row"
@@ -142,7 +142,8 @@ def test_indivisible_heads_and_vocab_replicate_and_still_match(world_size):
     from vescale.plan.auto_plan import _tree_trace, plan_from_trace
 
     model = _gpt()
-    plan = plan_from_trace(_tree_trace(model, "forced for the test", None, None), ["tp"], {"tp": 2})
+    plan = plan_from_trace(_tree_trace(model, "forced for the test", None, None), ["tp"], {"tp": 2},
+                           sequence_parallel=True)
     roles = {d.fqn: d.role for d in plan.decisions if d.kind == "parameter"}
     assert roles["layers.1.attn.wv.weight"] == "column" and roles["layers.1.attn.wo.weight"] == "row"
     assert roles["embed.weight"] == "vocab" and roles["lm_head.weight"] == "head"
@@ -271,7 +272,7 @@ def transformers_tp_plan(model, mesh) -> dict:
     vocabulary with a replicated output, ``colwise_gather_output`` also gathers the output. Mixtral's expert styles:
     ``packed_colwise`` on the packed ``[E, 2I, H]`` gate_up parameter shards gate and up alike (interleaved dim 1),
     ``rowwise`` on the ``[E, H, I]`` down parameter shards its last dim, and ``moe_tp_experts`` runs the experts
-    module on local shards and all-reduces its partial output (written as the ``.local`` entry with ``Partial``
+    module on local shards and all-reduces its partial output (written as the ``local`` entry with ``Partial``
     output and a replicated output of the enclosing MoE block: the same single all-reduce, one reshape later).
     No sequence parallelism (transformers' plan has none)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
@@ -279,7 +280,7 @@ def transformers_tp_plan(model, mesh) -> dict:
     from vescale.dtensor import InterleavedShard
 
     rep = [Replicate()]
-    params, fwd = {}, {"input": {"input_ids": rep}, "output": {"logits": rep}}
+    params, inputs, outputs, local = {}, {"": {"input_ids": rep}}, {"": {"logits": rep}}, {}
     names = {n for n, _ in model.named_parameters()}
     styles = dict(model._tp_plan)  # the instance's plan: the base model's (prefixed) plus the head's
     for pattern, style in styles.items():
@@ -290,21 +291,21 @@ def transformers_tp_plan(model, mesh) -> dict:
         elif style == "rowwise" and is_param:
             params[regex] = [Shard(-1 + dict(model.named_parameters())[pattern.replace("*", "0")].dim())]
         elif style == "moe_tp_experts":
-            fwd[regex + ".input"] = [rep, None, rep]
-            fwd[regex + ".local"] = [[Partial()], None, [Partial()]]
-            fwd[regex + ".output"] = [[Partial()]]
-            fwd[regex.rsplit(r"\.", 1)[0] + ".output"] = [rep]
+            inputs[regex] = [rep, None, rep]
+            local[regex] = [[Partial()], None, [Partial()]]
+            outputs[regex] = [[Partial()]]
+            outputs[regex.rsplit(r"\.", 1)[0]] = [rep]
         elif style.startswith("colwise"):
             params[regex + r"\.(weight|bias)"] = [Shard(0)]
-            fwd[regex + ".input"] = [rep]
+            inputs[regex] = [rep]
             if style == "colwise_gather_output":
-                fwd[regex + ".output"] = [rep]
+                outputs[regex] = [rep]
         elif style in ("rowwise", "embedding_rowwise"):
             params[regex + r"\.weight"] = [Shard(0 if style.startswith("embedding") else 1)]
-            fwd[regex + ".output"] = [rep]
+            outputs[regex] = [rep]
         else:
             raise AssertionError(f"style {style!r} not translated")
-    return {"parameter": params, "forward": fwd}
+    return {"parameter": params, "input": inputs, "output": outputs, "local": local}
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "mixtral"])

@@ -1,4 +1,4 @@
-"""vescale-plan imports only the vescale packages it declares (DESIGN.md: the direction of dependencies)."""
+"""vescale-plan imports only the vescale packages it declares (see docs/architecture.md)."""
 
 from vescale.core.testing import imported_vescale_packages
 

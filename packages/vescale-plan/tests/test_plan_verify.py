@@ -131,7 +131,7 @@ def _tiny(**kw) -> TinyLM:
 def test_custom_fused_layouts_are_planned_from_evidence_and_verified(layout, bias):
     from vescale.plan import auto_plan, explain
 
-    plan = auto_plan(_tiny(layout=layout, bias=bias), _mesh(2))
+    plan = auto_plan(_tiny(layout=layout, bias=bias), _mesh(2), sequence_parallel=True)
     pl, why = _placements(plan), _reasons(plan)
     qkv = "[IS(0, 3)]" if layout.startswith("3hd") else "[S(0)]"
     assert pl["blocks.0.attn.qkv.weight"] == pl["blocks.1.attn.qkv.weight"] == qkv
@@ -149,7 +149,7 @@ def test_custom_fused_layouts_are_planned_from_evidence_and_verified(layout, bia
 def test_fixed_permutation_of_a_fused_output_is_not_settled_and_stays_replicated():
     from vescale.plan import auto_plan, explain
 
-    plan = auto_plan(_tiny(twist="permute"), _mesh(2))
+    plan = auto_plan(_tiny(twist="permute"), _mesh(2), sequence_parallel=True)
     pl, why = _placements(plan), _reasons(plan)
     assert pl["blocks.0.attn.qkv.weight"] == pl["blocks.0.attn.out.weight"] == "[R]"
     assert "layout not settled by the trace" in why["blocks.0.attn.qkv.weight"]
@@ -162,9 +162,9 @@ def test_head_reordering_the_trace_cannot_see_is_refused_by_the_numerical_check(
     from vescale.plan import auto_plan, explain, plan_from_trace, trace_model
 
     model = _tiny(twist="flip")
-    evidence_only = plan_from_trace(trace_model(model), ["tp"], {"tp": 2})
+    evidence_only = plan_from_trace(trace_model(model), ["tp"], {"tp": 2}, sequence_parallel=True)
     assert _placements(evidence_only)["blocks.0.attn.qkv.weight"] == "[IS(0, 3)]"  # what the evidence alone says
-    plan = auto_plan(model, _mesh(2))
+    plan = auto_plan(model, _mesh(2), sequence_parallel=True)
     pl, why = _placements(plan), _reasons(plan)
     attn = next(c for c in plan.checks if c.row.endswith("attn.out.weight"))
     assert attn.status == "refused" and attn.rel_diff > 1e-2 and len(attn.members) == 2
@@ -174,7 +174,7 @@ def test_head_reordering_the_trace_cannot_see_is_refused_by_the_numerical_check(
         assert "refused by the numerical check" in why[f"blocks.{layer}.attn.qkv.weight"]
         assert "differs from the plain one" in why[f"blocks.{layer}.attn.out.weight"]
     assert pl["blocks.0.mlp.gate_up.weight"] == "[IS(0, 2)]"
-    assert not any(k.startswith("blocks") and "attn" in k and "input" in k for k in plan["forward"])
+    assert not any(k.startswith("blocks") and "attn" in k for k in plan["input"])
     assert "refused" in explain(plan)
 
 
@@ -195,7 +195,7 @@ def test_custom_fused_layouts_match_single_device(world_size, layout):
     (ref_logits * weight).sum().backward()
     mesh = init_mesh({"tp": 2})
     model = _tiny(layout=layout)
-    plan = auto_plan(model, mesh)
+    plan = auto_plan(model, mesh, sequence_parallel=True)
     assert {c.status for c in plan.checks} == {"verified"}
     parallelize_module(model, mesh, plan)
     logits = model(ids)
@@ -226,7 +226,7 @@ def test_verification_refuses_interleaved_neox_and_passes_the_right_layouts():
 
     model = _neox()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    plan = auto_plan(model, _mesh(2), example_kwargs={"input_ids": ids})
+    plan = auto_plan(model, _mesh(2), example_kwargs={"input_ids": ids}, sequence_parallel=True)
     assert isinstance(plan.tp_placements["gpt_neox.layers.0.attention.query_key_value.weight"], Shard)
     assert not isinstance(plan.tp_placements["gpt_neox.layers.0.attention.query_key_value.weight"],
                           InterleavedShard)
@@ -265,7 +265,7 @@ def test_neox_auto_plan_matches_single_device(world_size):
 
     mesh = init_mesh(shape)
     model = _neox()
-    plan = auto_plan(model, mesh, example_kwargs={"input_ids": ids[local]})
+    plan = auto_plan(model, mesh, example_kwargs={"input_ids": ids[local]}, sequence_parallel=True)
     qkv = [d for d in plan.decisions if d.kind == "parameter" and d.fqn.endswith("query_key_value.weight")]
     assert qkv and all(d.placements.endswith("S(0)]") and d.role == "column" for d in qkv), qkv
     assert {c.status for c in plan.checks} == {"verified"}
@@ -329,7 +329,8 @@ def test_hf_fused_layouts_from_evidence(name, param, placement, status):
     stay replicated with the reason (OLMo2's v stays sharded); Phi-3's ``gate_up`` is two equal parts."""
     from vescale.plan import auto_plan
 
-    plan = auto_plan(_hf(name), _mesh(2), example_kwargs={"input_ids": torch.randint(0, 64, (2, 8))})
+    plan = auto_plan(_hf(name), _mesh(2), example_kwargs={"input_ids": torch.randint(0, 64, (2, 8))},
+                     sequence_parallel=True)
     pl, why = _placements(plan), _reasons(plan)
     assert pl[param] == placement, why[param]
     if status == "verified":
@@ -350,7 +351,7 @@ def test_7b_llama_on_meta_plans_fast_and_is_verified_on_a_shrunken_copy():
     with torch.device("meta"):
         model = T.LlamaForCausalLM(cfg)
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = auto_plan(model, _mesh(8, dp=8))
+    plan = auto_plan(model, _mesh(8, dp=8), sequence_parallel=True)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"\n7B Llama on meta, dp=8 x tp=8: auto_plan {wall:.2f} s wall, {cpu:.2f} s CPU (trace + plan + verify)")
     assert [c.status for c in plan.checks] == ["verified", "verified"]
@@ -363,6 +364,6 @@ def test_plan_from_trace_alone_is_not_verified():
     """plan_from_trace has no model to run: no checks, evidence only."""
     from vescale.plan import plan_from_trace, trace_model
 
-    plan = plan_from_trace(trace_model(_tiny(layout="h3d")), ["tp"], {"tp": 2})
+    plan = plan_from_trace(trace_model(_tiny(layout="h3d")), ["tp"], {"tp": 2}, sequence_parallel=True)
     assert plan.checks == [] and _placements(plan)["blocks.0.attn.qkv.weight"] == "[S(0)]"
     assert isinstance(plan.tp_placements["blocks.0.attn.out.bias"], Replicate)

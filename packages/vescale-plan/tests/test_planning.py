@@ -42,12 +42,11 @@ def test_llama_on_meta_gets_megatron_roles_without_memory():
     assert roles[layer + "input_layernorm.weight"] == ("[R, R]", "replicated")
     assert roles["model.embed_tokens.weight"] == ("[R, S(0)]", "vocab")
     assert roles["lm_head.weight"] == ("[R, S(0)]", "head")
-    fwd = plan["forward"]
     stream = [Shard(0), Shard(1)]
-    assert fwd[r"model\.layers\.\d+\.self_attn\.o_proj.output"] == [stream]
-    assert fwd[r"model\.layers\.\d+\.self_attn.input"] == {"hidden_states": [Shard(0), Replicate()]}
-    assert fwd["model\\.embed_tokens.output"] == [stream]
-    assert fwd["output"] == {"logits": [Shard(0), Replicate()]}
+    assert plan["output"][r"model\.layers\.\d+\.self_attn\.o_proj"] == [stream]
+    assert plan["input"][r"model\.layers\.\d+\.self_attn"] == {"hidden_states": [Shard(0), Replicate()]}
+    assert plan["output"]["model\\.embed_tokens"] == [stream]
+    assert plan["output"][""] == {"logits": [Shard(0), Replicate()]}
     # every layer got the same decisions, so the plan folds layer indices into one pattern
     assert all("layers\\.1" not in k and "layers\\.0" not in k for k in plan["parameter"])
 
@@ -57,7 +56,7 @@ def test_gpt2_fused_qkv_is_interleaved_and_tied_head_shares_the_embedding_placem
 
     with torch.device("meta"):
         model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32))
-    plan = plan_from_trace(trace_model(model), ["tp"], {"tp": 2})
+    plan = plan_from_trace(trace_model(model), ["tp"], {"tp": 2}, sequence_parallel=True)
     p = plan["parameter"]
     assert p[r"transformer\.h\.\d+\.attn\.c_attn\.weight"] == [InterleavedShard(1, 3)]
     assert p[r"transformer\.h\.\d+\.attn\.c_attn\.bias"] == [InterleavedShard(0, 3)]
@@ -70,7 +69,7 @@ def test_gpt2_fused_qkv_is_interleaved_and_tied_head_shares_the_embedding_placem
 
 
 def test_indivisible_heads_and_vocab_fall_back_per_parameter_with_reasons():
-    plan = plan_from_trace(trace_model(_gpt(n_kv_head=1, vocab_size=65)), ["tp"], {"tp": 2})
+    plan = plan_from_trace(trace_model(_gpt(n_kv_head=1, vocab_size=65)), ["tp"], {"tp": 2}, sequence_parallel=True)
     by_fqn = {d.fqn: d for d in plan.decisions if d.kind == "parameter"}
     for name in ("wk", "wv"):
         d = by_fqn[f"layers.0.attn.{name}.weight"]
@@ -91,7 +90,7 @@ def test_opaque_module_is_paired_by_shape():
     with torch.device("meta"):
         model = T.MixtralForCausalLM(cfg)
     trace = trace_model(model)
-    plan = plan_from_trace(trace, ["tp"], {"tp": 2})
+    plan = plan_from_trace(trace, ["tp"], {"tp": 2}, sequence_parallel=True)
     roles = _roles(plan)
     if "model.layers.0.mlp.experts" in trace.opaque:
         assert roles["model.layers.0.mlp.experts.gate_up_proj"] == ("[IS(1, 2)]", "column")
@@ -109,11 +108,12 @@ def test_trace_leaves_the_model_untouched_and_explain_lists_hand_plans():
     assert {n: p for n, p in model.named_parameters()} == before
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert trace.aliases["embed.weight"] == ["embed.weight", "lm_head.weight"]
-    plan = plan_from_trace(trace, ["tp"], {"tp": 2})
+    plan = plan_from_trace(trace, ["tp"], {"tp": 2}, sequence_parallel=True)
     roles = _roles(plan)
     assert roles["embed.weight"][0] == roles["lm_head.weight"][0] == "[S(0)]"
-    text = explain({"parameter": {r"embed\.weight": [Shard(0)]}, "forward": {"output": [[Replicate()]]}})
+    text = explain({"parameter": {r"embed\.weight": [Shard(0)]}, "output": {"": [[Replicate()]]}})
     assert "hand-written plan" in text and "embed\\.weight" in text and "[S(0)]" in text
+    assert "<root>" in text and "[[R]]" in text
 
 
 def test_pipeline_split_balances_blocks_and_charges_embeddings_to_the_ends():

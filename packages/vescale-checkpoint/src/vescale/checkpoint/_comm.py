@@ -27,7 +27,7 @@ def _slot(data: bytes) -> torch.Tensor:
 
 
 def _checkpoint_group():
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD
     group = _groups.get(id(default))
     if group is None:
         group = dist.new_group(backend="gloo")

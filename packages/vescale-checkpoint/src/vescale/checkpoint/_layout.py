@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vescale.core import torch_internals
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 
 
@@ -41,15 +43,13 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _shard_like(placement) -> bool:
-    # torch's private _StridedShard is not a Shard subclass; this module is the one place that names it.
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return placement.is_shard() or isinstance(placement, _StridedShard)
+    # torch's private _StridedShard is not a Shard subclass
+    return placement.is_shard() or isinstance(placement, torch_internals.StridedShard)
 
 
 def _sharding_steps(t) -> list[tuple[int, object]]:
     """(mesh dim, placement) pairs in the order DTensor applies the shardings."""
-    spec = t._spec
+    spec = torch_internals.dtensor_spec(t)  # shard_order has no public accessor
     placements = t.placements
     order = getattr(spec, "shard_order", None)
     if order and not getattr(spec, "use_strided_shard_as_shard_order", False):
@@ -69,7 +69,7 @@ def local_pieces(t: torch.Tensor, key: str) -> list[Piece]:
     if coord is None:
         return []
     shape = tuple(t.shape)
-    local = t._local_tensor.detach()
+    local = t.to_local().detach()
     ragged = [(m, p) for m, p in enumerate(t.placements) if _is_ragged(p)]
     if ragged:
         return _ragged_pieces(t, key, ragged, coord)
@@ -77,7 +77,7 @@ def local_pieces(t: torch.Tensor, key: str) -> list[Piece]:
     cache_key = (shape, tuple(mesh.shape), tuple(coord), tuple((m, repr(p)) for m, p in steps))
     runs_per_dim = _RUNS.get(cache_key)
     if runs_per_dim is None:
-        runs_per_dim = _local_runs(t, key, shape, steps, coord)
+        runs_per_dim = _local_runs(t, shape, steps, coord)
         if len(_RUNS) > 100_000:
             _RUNS.clear()
         _RUNS[cache_key] = runs_per_dim
@@ -98,7 +98,7 @@ def local_pieces(t: torch.Tensor, key: str) -> list[Piece]:
 _RUNS: dict[tuple, list[list[tuple[int, int, int]]]] = {}
 
 
-def _local_runs(t, key: str, shape: tuple[int, ...], steps: list, coord: list[int]) -> list[list[tuple[int, int, int]]]:
+def _local_runs(t, shape: tuple[int, ...], steps: list, coord: list[int]) -> list[list[tuple[int, int, int]]]:
     """Per tensor dim, the runs (global start, length, local start) of indices this rank holds."""
     mesh = t.device_mesh
     index: dict[int, torch.Tensor] = {}
@@ -106,7 +106,7 @@ def _local_runs(t, key: str, shape: tuple[int, ...], steps: list, coord: list[in
         dim = placement.dim % len(shape)
         current = index.get(dim, torch.arange(shape[dim]))
         probe = current.reshape([1] * dim + [-1] + [1] * (len(shape) - dim - 1))
-        chunks, _ = placement._split_tensor(probe, mesh.size(mesh_dim), with_padding=False)
+        chunks, _ = torch_internals.split_tensor(placement, probe, mesh.size(mesh_dim), with_padding=False)
         mine = chunks[coord[mesh_dim]] if coord[mesh_dim] < len(chunks) else current[:0]
         index[dim] = mine.reshape(-1)
     runs_per_dim = []
@@ -161,7 +161,7 @@ def _ragged_pieces(t, key: str, ragged: list, coord: list[int]) -> list[Piece]:
     k = len(placement.dims)
     start, end = placement.local_range(shape, coord[mesh_dim])
     rest = shape[k:]
-    local = t._local_tensor.detach().reshape(end - start, *rest)
+    local = t.to_local().detach().reshape(end - start, *rest)
     return flat_range_pieces(local, start, end, shape[:k], rest)
 
 

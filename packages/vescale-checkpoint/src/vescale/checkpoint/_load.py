@@ -32,7 +32,8 @@ from vescale.checkpoint._gc import collector_paused
 from vescale.checkpoint._layout import intersect, relative
 from vescale.checkpoint._local_read import byte_span, read_parts, release_buffer
 from vescale.checkpoint._reader import chunk_spans, read_metadata, read_shard, shard_nbytes, tensor_dtype
-from vescale.checkpoint._save import describe, wait_pending
+from vescale.checkpoint._save import wait_pending
+from vescale.checkpoint._save_plan import describe
 from vescale.checkpoint._state import flatten
 from vescale.checkpoint._storage import Storage
 from vescale.checkpoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from vescale.checkpoint._layout import Piece, flat_range_pieces, is_dtensor, local_pieces
+from vescale.core import torch_internals
 
 
 @dataclass
@@ -76,14 +77,14 @@ def unwrap_module(m: nn.Module) -> nn.Module:
         if isinstance(m, DistributedDataParallel) or (type(m).__name__ == "DistributedDataParallel"
                                                       and isinstance(getattr(m, "module", None), nn.Module)):
             m = m.module  # torch's DDP, or vescale.parallel's
-        elif hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):
-            m = m._orig_mod
+        elif torch_internals.compiled_original(m) is not None:
+            m = torch_internals.compiled_original(m)
         else:
             return m
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _has_tensors(obj: Any) -> bool:

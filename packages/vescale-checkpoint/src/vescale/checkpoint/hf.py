@@ -17,7 +17,7 @@ from torch import nn
 
 from vescale.checkpoint._layout import local_pieces
 from vescale.checkpoint._reader import read_metadata, read_shard, tensor_dtype
-from vescale.checkpoint._state import flatten
+from vescale.checkpoint._state import _local, flatten
 from vescale.checkpoint._storage import Storage
 from vescale.checkpoint.errors import CheckpointError, StateMismatchError
 
@@ -120,10 +120,10 @@ def import_hf(src: str | os.PathLike, model: nn.Module, *, prefix: str = "", str
     todo = []
     for key, t in flat.tensors.items():
         name = prefix + key
-        ptr = (t._local_tensor if hasattr(t, "_local_tensor") else t).data_ptr()
+        ptr = _local(t).data_ptr()
         if name not in where:
             if not (ptr in by_ptr or any(prefix + k in where for k, u in flat.tensors.items() if u is not t and
-                                         (u._local_tensor if hasattr(u, "_local_tensor") else u).data_ptr() == ptr)):
+                                         _local(u).data_ptr() == ptr)):
                 problems.append(f"missing: {name!r} is not in {src}")
             continue
         by_ptr[ptr] = name

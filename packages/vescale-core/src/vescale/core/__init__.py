@@ -1,7 +1,10 @@
 """vescale.core: the thin core every vescale package shares.
 
 - :mod:`vescale.core.launch`: start ranks locally (``spawn``) or join torchrun's (``init_distributed``).
-- :mod:`vescale.core.mesh`: named device meshes in canonical order (``init_mesh``, ``sub_mesh``).
+- :mod:`vescale.core.mesh`: named device meshes in canonical order (``init_mesh``, ``sub_mesh``) and the resolution
+  of a mesh dimension, given by name, to its sub-mesh or process group (``dim_mesh``, ``dim_group``).
+- :mod:`vescale.core.blocks`: a model's repeated blocks (``find_blocks``), for compile, ZeRO 3 and pipeline splits.
+- :mod:`vescale.core.comm`: the one collective counter (``count_comms``: calls and bytes per collective, per mesh dim).
 - :mod:`vescale.core.fqn`: the one matcher of plan patterns against FQNs (``match_plan``).
 - :mod:`vescale.core.errors`: ``VescaleError`` and its subclasses.
 - :mod:`vescale.core.testing`: the pooled multi-rank pytest harness.
@@ -12,7 +15,7 @@ from __future__ import annotations
 from vescale.core.errors import MeshError, PlanError, RankError, RankTimeoutError, VescaleError
 from vescale.core.fqn import PlanMatch, match_plan
 from vescale.core.launch import init_distributed, spawn
-from vescale.core.mesh import dim_size, init_mesh, mesh_coordinates, parse_mesh_spec, sub_mesh
+from vescale.core.mesh import dim_group, dim_mesh, dim_size, init_mesh, mesh_coordinates, parse_mesh_spec, sub_mesh
 
 __all__ = [
     "VescaleError",
@@ -29,4 +32,6 @@ __all__ = [
     "sub_mesh",
     "dim_size",
     "mesh_coordinates",
+    "dim_mesh",
+    "dim_group",
 ]

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 from vescale.core.errors import MeshError
 
-__all__ = ["CANONICAL_DIM_ORDER", "init_mesh", "parse_mesh_spec", "sub_mesh", "dim_size", "mesh_coordinates"]
+__all__ = ["CANONICAL_DIM_ORDER", "init_mesh", "parse_mesh_spec", "sub_mesh", "dim_size", "mesh_coordinates",
+           "dim_mesh", "dim_group"]
 
 #: Outermost to innermost. Unknown names are rejected unless an explicit ``order`` is given.
 CANONICAL_DIM_ORDER: tuple[str, ...] = ("pp", "dp", "cp", "ep", "tp")
@@ -103,3 +104,33 @@ def mesh_coordinates(mesh) -> dict[str, int]:
     if coords is None:
         raise MeshError("this rank is not part of the mesh")
     return dict(zip(mesh.mesh_dim_names, coords))
+
+
+def dim_mesh(mesh, dims: str | tuple[str, ...] = "dp", *, whole_if_1d: bool = True):
+    """The part of ``mesh`` along ``dims`` (one name or several, in mesh order), or None when it lacks one of them.
+
+    With ``whole_if_1d`` (the convention of the data-parallel APIs: a 1-D mesh handed to DDP or ZeRO *is* the dp
+    mesh), a 1-D mesh is returned whole whatever its dimension is called. Local; issues no collective.
+    """
+    names = (dims,) if isinstance(dims, str) else tuple(dims)
+    if whole_if_1d and mesh.ndim == 1:
+        return mesh
+    have = tuple(mesh.mesh_dim_names or ())
+    if not names or any(n not in have for n in names):
+        return None
+    return sub_mesh(mesh, *names)
+
+
+def dim_group(mesh_or_group, dim: str = "dp", *, whole_if_1d: bool = True):
+    """``(process group, dimension name)`` of this rank along mesh dimension ``dim``, or None when there is none.
+
+    ``mesh_or_group`` is a DeviceMesh (resolved as :func:`dim_mesh` does; a whole 1-D mesh keeps its own name, or
+    ``dim`` when unnamed) or a ProcessGroup (returned as is, named ``dim``). Local; issues no collective.
+    """
+    if not hasattr(mesh_or_group, "mesh_dim_names"):
+        return mesh_or_group, dim
+    found = dim_mesh(mesh_or_group, dim, whole_if_1d=whole_if_1d)
+    if found is None:
+        return None
+    names = tuple(found.mesh_dim_names or ())
+    return found.get_group(), (names[0] if names else dim)

@@ -13,8 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.dtensor import random
-from vescale.dtensor import sharding_rules as _sharding_rules  # noqa: F401  (registers the rules torch lacks)
-from vescale.dtensor import view_rules as _view_rules  # noqa: F401  (view ops on interleaved inputs)
 from vescale.dtensor.api import distribute_tensor, from_local, full_tensor, redistribute
 from vescale.dtensor.deferred import adopt_deferred, deferred_init, is_deferred, materialize
 from vescale.dtensor.errors import CompiledRandomError, DeferredInitError, PlacementError, StrictRedistributeError

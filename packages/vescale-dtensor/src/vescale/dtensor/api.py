@@ -10,8 +10,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from vescale.core import torch_internals
+from vescale.core.torch_internals import StridedShard as _StridedShard
+from vescale.dtensor import _torch_hooks
 from vescale.dtensor.errors import PlacementError
 from vescale.dtensor.layout import contiguous_stride, local_shape, local_slice, validate_placements
 from vescale.dtensor.placements import RaggedShard
@@ -25,7 +28,7 @@ def mesh_group(mesh: DeviceMesh):
         return mesh.get_group()
     if mesh.size() == dist.get_world_size():
         return None
-    return mesh._flatten().get_group()  # private: the only way to get one group over an N-d sub-mesh
+    return torch_internals.flattened_mesh(mesh).get_group()
 
 
 def _rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
@@ -60,11 +63,10 @@ def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None
     shape differs from what ``placements`` give for that shape. ``run_check`` is torch's (broadcasts replicas).
     ``RaggedShard`` placements need ``shape`` or ``check=True``. Differentiable like torch's ``from_local``.
     """
+    _torch_hooks.install()
     mesh = device_mesh
     if mesh is None:
-        from torch.distributed.device_mesh import _mesh_resources
-
-        mesh = _mesh_resources.get_current_mesh()
+        mesh = torch_internals.current_mesh()
     placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
     if isinstance(local_tensor, DTensor):
         raise PlacementError(f"from_local: expected a local torch.Tensor, got a DTensor with {local_tensor.placements}")
@@ -124,11 +126,10 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     locally without communication), plus validation that raises :class:`PlacementError` before any collective, and
     ``RaggedShard`` and uneven ``InterleavedShard`` (broadcast from the source, then sliced locally).
     """
+    _torch_hooks.install()
     mesh = device_mesh
     if mesh is None:
-        from torch.distributed.device_mesh import _mesh_resources
-
-        mesh = _mesh_resources.get_current_mesh()
+        mesh = torch_internals.current_mesh()
     placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
     placements = validate_placements(tensor.shape, mesh, placements, what="distribute_tensor input")
     if any(isinstance(p, (RaggedShard, _StridedShard)) for p in placements):
@@ -143,6 +144,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 def full_tensor(dtensor: DTensor) -> torch.Tensor:
     """The global tensor on every rank (works for ``RaggedShard`` too; torch's ``full_tensor`` otherwise)."""
+    _torch_hooks.install()
     if any(isinstance(p, RaggedShard) for p in dtensor.placements):
         from vescale.dtensor.ragged import ragged_full_tensor
 
@@ -158,6 +160,7 @@ def redistribute(dtensor: DTensor, device_mesh: DeviceMesh | None = None,
     (where torch's planner mis-orders some ``_StridedShard`` steps), go through the global tensor on each rank (an
     all-gather, then a local slice), so they cost the global size in memory.
     """
+    _torch_hooks.install()
     mesh = device_mesh or dtensor.device_mesh
     placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
     placements = validate_placements(dtensor.shape, mesh, placements, what="redistribute target")

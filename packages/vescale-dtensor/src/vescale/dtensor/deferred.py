@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from vescale.core import torch_internals
+from vescale.core.torch_internals import TorchDispatchMode, pytree
+from vescale.dtensor import _torch_hooks
 from vescale.dtensor import random as _rng
 from vescale.dtensor.errors import DeferredInitError
 from vescale.dtensor.layout import contiguous_stride
@@ -81,18 +83,18 @@ class _Const:
 
 
 def _sid(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return torch_internals.storage_id(t)
 
 
 def _is_factory(func) -> bool:
-    schema = func._schema
+    schema = torch_internals.op_schema(func)
     return any(a.name == "device" for a in schema.arguments) and not any(
         isinstance(a.type, torch.TensorType) for a in schema.arguments)
 
 
 def _written_args(func, args, kwargs) -> list[torch.Tensor]:
     out = []
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(torch_internals.op_schema(func).arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             val = args[i] if i < len(args) else kwargs.get(a.name)
             if isinstance(val, torch.Tensor):
@@ -134,7 +136,8 @@ class _Recorder(TorchDispatchMode):
                 node = self.storages[_sid(t)]
                 node.entries.append(_Op(func, rargs, rkwargs, geom=_Geom.of(t), seq=seq, seed=seed))
             return out
-        if func._schema.returns and all(r.alias_info is not None for r in func._schema.returns):
+        returns = torch_internals.op_schema(func).returns
+        if returns and all(r.alias_info is not None for r in returns):
             return out  # a view: shares its input's storage and log
         self._new_outputs(out, _Op(func, rargs, rkwargs, seq=seq, seed=seed))
         return out
@@ -191,13 +194,11 @@ def adopt_deferred(part: nn.Module, model: nn.Module) -> nn.Module:
     if unknown:
         raise DeferredInitError(f"adopt_deferred: {type(part).__name__} has parameters that "
                                 f"{type(model).__name__} has not: {', '.join(unknown)}")
+    own = set(own_params)
     for fqn in own_params + [f for f, _ in part.named_buffers(remove_duplicate=False) if f in buffers]:
         owner_name, _, leaf = fqn.rpartition(".")
-        owner = part.get_submodule(owner_name)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = params[fqn]
-        else:
-            owner._buffers[leaf] = buffers[fqn]
+        # setattr keeps a parameter a parameter and a buffer a buffer (persistence included)
+        setattr(part.get_submodule(owner_name), leaf, params[fqn] if fqn in own else buffers[fqn])
     part._vescale_deferred = storages
     return part
 
@@ -362,7 +363,8 @@ def _local_value(rep: _Replayer, node: _Storage, mesh: DeviceMesh, placements: t
 
 def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
                 placements: Mapping[str, Sequence[Placement]] | None = None, *,
-                device: torch.device | str | None = None, report: dict | None = None) -> nn.Module:
+                device: torch.device | str | None = None, report: dict | None = None,
+                replicate_over: DeviceMesh | None = None) -> nn.Module:
     """Replace the meta parameters and buffers of a :func:`deferred_init` module by real tensors, in place.
 
     Without ``device_mesh``: full plain tensors, the single-device reference. With ``device_mesh``: DTensors whose
@@ -376,10 +378,20 @@ def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
     listed in ``report["full"]`` (``report["sharded"]`` lists the rest) when a dict is passed. No communication.
     Raises :class:`DeferredInitError` naming the FQN for unknown FQNs, conflicting tied placements, ``Partial``
     placements, and placements that do not fit the shape or mesh (all before any work).
+
+    With ``replicate_over`` (a 1-D mesh, instead of ``device_mesh``): full plain tensors on every rank of it, as
+    without a mesh, but each rank replays only its ``Shard(0)`` slice of every parameter whose first dim divides by
+    the mesh size and one all-gather per such parameter assembles the whole (the rest is computed whole): data-
+    parallel replicas share the cost of the init. Tied parameters stay tied.
     """
+    _torch_hooks.install()
     storages: dict[int, _Storage] | None = getattr(module, "_vescale_deferred", None)
     if storages is None:
         raise DeferredInitError(f"materialize: {type(module).__name__} was not built by deferred_init")
+    if replicate_over is not None:
+        if device_mesh is not None or placements:
+            raise DeferredInitError("materialize: give replicate_over or device_mesh/placements, not both")
+        return _materialize_replicated(module, replicate_over, device, report)
     placements = dict(placements or {})
     if placements and device_mesh is None:
         raise DeferredInitError("materialize: placements given without a device_mesh")
@@ -388,11 +400,11 @@ def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
 
     slots: list[tuple[str, nn.Module, str, bool, torch.Tensor]] = []
     for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for name, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-            if t is None:
-                continue
+        own = ([(True, name, t) for name, t in mod.named_parameters(recurse=False, remove_duplicate=False)]
+               + [(False, name, t) for name, t in mod.named_buffers(recurse=False, remove_duplicate=False)])
+        for is_param, name, t in own:  # None entries are skipped by named_parameters/named_buffers
             fqn = f"{mod_name}.{name}" if mod_name else name
-            slots.append((fqn, mod, name, name in mod._parameters, t))
+            slots.append((fqn, mod, name, is_param, t))
     known = {fqn for fqn, *_ in slots}
     unknown = sorted(set(placements) - known)
     if unknown:
@@ -440,20 +452,38 @@ def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
         (sharded if local_only else whole).extend(s[0] for s in group)
         for _fqn, mod, name, is_param, old in group:
             if is_param:
-                mod._parameters[name] = nn.Parameter(value, requires_grad=old.requires_grad)
+                setattr(mod, name, nn.Parameter(value, requires_grad=old.requires_grad))
             else:
-                mod._buffers[name] = value
+                setattr(mod, name, value)
         # tied parameters must stay one object
-        if len({id(s[1]._parameters.get(s[2])) for s in group if s[3]}) > 1:
+        if len({id(getattr(s[1], s[2])) for s in group if s[3]}) > 1:
             first = next(s for s in group if s[3])
-            shared = first[1]._parameters[first[2]]
+            shared = getattr(first[1], first[2])
             for _fqn, mod, name, is_param, _old in group:
                 if is_param:
-                    mod._parameters[name] = shared
+                    setattr(mod, name, shared)
         if pl is not None:
             rep.cache.clear()  # free whole tensors computed for slicing before the next storage
     module._vescale_deferred = None
     if report is not None:
         report["sharded"] = sorted(sharded)
         report["full"] = sorted(whole)
+    return module
+
+
+def _materialize_replicated(module: nn.Module, mesh: DeviceMesh, device: torch.device | str | None,
+                            report: dict | None) -> nn.Module:
+    """``materialize(module, replicate_over=mesh)``: shards over ``mesh``, then each sharded parameter all-gathered."""
+    if mesh.ndim != 1:
+        raise DeferredInitError(f"materialize: replicate_over must be a 1-D mesh, got the {mesh.ndim}-D {mesh}")
+    n = mesh.size()
+    split = {fqn: [Shard(0)] for fqn, p in module.named_parameters() if p.dim() and p.shape[0] % n == 0}
+    materialize(module, mesh, split, device=device, report=report)
+    whole: dict[int, nn.Parameter] = {}  # id of a DTensor parameter -> its full value (tied ones: one object)
+    for mod in module.modules():
+        for name, p in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
+            if isinstance(p, DTensor):
+                if id(p) not in whole:
+                    whole[id(p)] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                setattr(mod, name, whole[id(p)])
     return module

@@ -12,8 +12,10 @@ from typing import NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from vescale.core import torch_internals
+from vescale.core.torch_internals import StridedShard as _StridedShard
 from vescale.dtensor.errors import PlacementError
 from vescale.dtensor.placements import RaggedShard
 
@@ -64,7 +66,7 @@ def validate_placements(shape: Sequence[int], mesh: DeviceMesh, placements: Sequ
             if isinstance(p, _StridedShard):
                 from vescale.dtensor.placements import InterleavedShard
 
-                size = p._split_factor_int()
+                size = torch_internals.split_factor(p)
                 if shape[dim] % size:
                     raise PlacementError(f"{what} of shape {shape}: dim {dim} of size {shape[dim]} is not divisible "
                                          f"by interleaved_size {size} ({p!r} on mesh dim {mesh_dim})")
@@ -106,8 +108,10 @@ def local_dim_indices(shape: Sequence[int], mesh: DeviceMesh, placements: Sequen
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, (Shard, _StridedShard)):
             dim = p.dim
-            as_dim0 = _StridedShard(0, split_factor=p._split_factor_int()) if isinstance(p, _StridedShard) else Shard(0)
-            pieces, _ = as_dim0._split_tensor(idx[dim], mesh.size(mesh_dim), with_padding=False, contiguous=True)
+            as_dim0 = (_StridedShard(0, split_factor=torch_internals.split_factor(p)) if isinstance(p, _StridedShard)
+                       else Shard(0))
+            pieces, _ = torch_internals.split_tensor(as_dim0, idx[dim], mesh.size(mesh_dim), with_padding=False,
+                                                     contiguous=True)
             idx[dim] = pieces[coord[mesh_dim]] if coord[mesh_dim] < len(pieces) else idx[dim][:0]
         elif isinstance(p, RaggedShard):
             raise PlacementError("local_dim_indices: RaggedShard has no per-dim index sets; use global_flat_index")

@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-# PyTorch's private ``_StridedShard`` computes exactly the interleaved layout (split the dim into ``split_factor``
-# chunks, shard each chunk over the mesh dim). This is the one place vescale touches it.
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+# PyTorch's private ``_StridedShard`` computes exactly the interleaved layout (split the dim into ``split_factor``
+# chunks, shard each chunk over the mesh dim).
+from vescale.core.torch_internals import StridedShard as _StridedShard
+from vescale.core.torch_internals import split_factor as _split_factor
 from vescale.dtensor.errors import PlacementError
 
 __all__ = ["InterleavedShard", "RaggedShard", "is_interleaved", "interleaved_size", "as_interleaved"]
@@ -45,7 +47,7 @@ class InterleavedShard(_StridedShard):
     @property
     def interleaved_size(self) -> int:
         """Number of equal chunks the sharded dim is seen as."""
-        return self._split_factor_int()
+        return _split_factor(self)
 
     def __repr__(self) -> str:
         return f"InterleavedShard(dim={self.dim}, interleaved_size={self.interleaved_size})"
@@ -66,13 +68,13 @@ def interleaved_size(placement: Placement) -> int:
     """The ``interleaved_size`` of an interleaved placement (``split_factor`` of a ``_StridedShard``)."""
     if not is_interleaved(placement):
         raise PlacementError(f"{placement!r} is not an interleaved placement")
-    return placement._split_factor_int()
+    return _split_factor(placement)
 
 
 def as_interleaved(placement: Placement) -> Placement:
     """Return ``placement`` with any ``_StridedShard`` re-labelled as the equal :class:`InterleavedShard`."""
     if isinstance(placement, _StridedShard) and not isinstance(placement, InterleavedShard):
-        return InterleavedShard(placement.dim, placement._split_factor_int())
+        return InterleavedShard(placement.dim, _split_factor(placement))
     return placement
 
 
@@ -86,7 +88,7 @@ class RaggedShard(Placement):
     A unit count of 0 gives an empty local piece. This is the layout of a ZeRO flat optimizer shard.
 
     torch does not know this placement: use :func:`vescale.dtensor.redistribute` (to and from ``Replicate`` and
-    ``Shard``), :func:`vescale.dtensor.ragged.full_tensor`, the elementwise and norm helpers of
+    ``Shard``), :func:`vescale.dtensor.full_tensor`, the elementwise and norm helpers of
     :mod:`vescale.dtensor.ragged`. Only one mesh dim may be ragged; the others must be ``Replicate``.
     """
 

@@ -30,8 +30,9 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from vescale.core import torch_internals
+from vescale.core.torch_internals import TorchDispatchMode
 from vescale.dtensor._philox import MASK32, philox4x32
 from vescale.dtensor.errors import CompiledRandomError, PlacementError
 from vescale.dtensor.layout import global_flat_index
@@ -145,16 +146,16 @@ def _index_placements(placements: Sequence[Placement], op: str, allow_partial: b
 def _index_of(t: torch.Tensor, op: str, allow_partial: bool = False) -> torch.Tensor:
     """Global flat index of each local element of ``t`` (plain tensor: its own row-major index)."""
     if isinstance(t, DTensor):
-        spec = t._spec
-        pl = _index_placements(spec.placements, op, allow_partial)
-        idx = global_flat_index(spec.shape, spec.mesh, pl)
+        pl = _index_placements(t.placements, op, allow_partial)
+        idx = global_flat_index(t.shape, t.device_mesh, pl)
     else:
         idx = global_flat_index(t.shape)
     return idx
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    # the stored shard itself: fills write it in place, often from inside DTensor's dispatch (below autograd)
+    return torch_internals.local_tensor(t)
 
 
 def fill_random(target: torch.Tensor, kind: str, *params, seq: int | None = None, seed: int | None = None,
@@ -229,14 +230,14 @@ def _dropout(x: torch.Tensor, p: float, train: bool | None):
         noise.div_(1.0 - p) if p < 1.0 else noise.zero_()
         out_local = local * noise
     if isinstance(x, DTensor):
-        spec = x._spec
+        spec = torch_internals.dtensor_spec(x)  # built below autograd: DTensor.from_local would record a node
         return (DTensor(out_local, spec, requires_grad=False),
                 DTensor(keep, _with_dtype(spec, torch.bool), requires_grad=False))
     return out_local, keep
 
 
 def _with_dtype(spec, dtype: torch.dtype):
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from vescale.core.torch_internals import DTensorSpec, TensorMeta
 
     meta = spec.tensor_meta
     return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
@@ -247,7 +248,7 @@ def _like(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     dtype = dtype or local.dtype
     out_local = torch.empty(local.shape, dtype=dtype, device=local.device)
     if isinstance(x, DTensor):
-        spec = x._spec
+        spec = torch_internals.dtensor_spec(x)
         _index_placements(spec.placements, "random *_like", allow_partial=False)
         return DTensor(out_local, _with_dtype(spec, dtype), requires_grad=False)
     return out_local
@@ -335,7 +336,7 @@ def _install() -> None:
     global _installed
     if not _installed:
         # torch's own extension point for per-op DTensor behaviour (loss_parallel uses it the same way).
-        DTensor._op_dispatcher._custom_op_handlers.update({op: _handle for op in _DTENSOR_OPS})
+        torch_internals.dtensor_custom_op_handlers().update({op: _handle for op in _DTENSOR_OPS})
         _installed = True
 
 
@@ -347,9 +348,10 @@ def is_installed() -> bool:
 def uninstall() -> None:
     """Give DTensor random ops back to torch's own RNG (until the next :func:`manual_seed`)."""
     global _installed
+    handlers = torch_internals.dtensor_custom_op_handlers()
     for op in _DTENSOR_OPS:
-        if DTensor._op_dispatcher._custom_op_handlers.get(op) is _handle:
-            del DTensor._op_dispatcher._custom_op_handlers[op]
+        if handlers.get(op) is _handle:
+            del handlers[op]
     _installed = False
 
 

@@ -1,4 +1,5 @@
-"""Sharding rules for ATen ops that torch's DTensor lacks, registered when :mod:`vescale.dtensor` is imported.
+"""Sharding rules for ATen ops that torch's DTensor lacks, registered by :func:`install` on first use of
+:mod:`vescale.dtensor` (never at import).
 
 * ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: the kernel that
   ``F.scaled_dot_product_attention`` (and so every Hugging Face model's default ``attn_implementation="sdpa"``)
@@ -19,7 +20,12 @@ local generator, which would not reproduce the single-device result (vescale's c
 * ``aten._grouped_mm`` (Hugging Face's default MoE experts kernel): operands replicated, then computed locally (torch
   has no rule, and its CPU meta kernel refuses fp32; see :func:`_grouped_mm_on_replicated`).
 
-Built on torch's private ``torch.distributed.tensor._ops`` registration API (the same one torch's own rules use).
+* ``aten.view`` of a DTensor whose local tensor is laid out in memory differently from its declared strides: the
+  local tensor is re-laid as declared and the view retried (see :func:`_view_of_relaid`), instead of failing with
+  "view size is not compatible with input tensor's size and stride".
+
+Built on torch's private ``torch.distributed.tensor._ops`` registration API (the same one torch's own rules use),
+reached through :mod:`vescale.core.torch_internals`.
 """
 
 from __future__ import annotations
@@ -28,12 +34,18 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 
+from vescale.core import torch_internals
+from vescale.core.torch_internals import (
+    OpSchema,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    expand_to_full_mesh_op_strategy,
+    register_op_strategy,
+)
 from vescale.dtensor.layout import smallest_shard
 
-__all__ = ["ATTENTION_DROPOUT_ERROR"]
+__all__ = ["ATTENTION_DROPOUT_ERROR", "install"]
 
 aten = torch.ops.aten
 
@@ -105,8 +117,6 @@ def _refuse_dropout(p: float) -> None:
         raise NotImplementedError(ATTENTION_DROPOUT_ERROR.format(p=p))
 
 
-@register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu.default,
-                      schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"]))
 def _cpu_flash_attention_strategy(op_schema: OpSchema) -> OpStrategy:
     # (query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None) -> (output, logsumexp)
     args = op_schema.args_schema
@@ -117,8 +127,6 @@ def _cpu_flash_attention_strategy(op_schema: OpSchema) -> OpStrategy:
                                            is_valid_strategy_cb=_valid_strategy(op_schema, _heads(op_schema, 0)))
 
 
-@register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                      schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]))
 def _cpu_flash_attention_backward_strategy(op_schema: OpSchema) -> OpStrategy:
     # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None)
     #   -> (grad_query, grad_key, grad_value)
@@ -152,12 +160,59 @@ def _grouped_mm_on_replicated(op_call, args: tuple, kwargs: dict):
             # a sharded or partial operand (the tokens of a batch-sharded MoE input) is gathered first: every rank
             # then computes the whole result, as with replicated operands
             a = a.redistribute(mesh, replicate)
-        return a._local_tensor  # below autograd: the local tensor itself
+        return torch_internals.local_tensor(a)  # below autograd: the local tensor itself, no to_local() node
 
     out = op_call(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
     return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-if hasattr(aten, "_grouped_mm"):
-    # torch's own extension point for per-op DTensor behaviour (vescale.dtensor.random and loss_parallel use it too)
-    DTensor._op_dispatcher._custom_op_handlers[aten._grouped_mm.default] = _grouped_mm_on_replicated
+def _relaid_as_declared(x: DTensor) -> DTensor:
+    """``x`` with its local tensor copied into the memory order its declared (global) strides give."""
+    local = torch_internals.local_tensor(x)
+    order = sorted(range(x.ndim), key=lambda d: (-x.stride(d), d))  # outermost first, as declared
+    inverse = sorted(range(x.ndim), key=order.__getitem__)
+    relaid = local.permute(order).contiguous().permute(inverse)
+    return DTensor.from_local(relaid, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                              stride=x.stride())
+
+
+def _view_of_relaid(op_call, args: tuple, kwargs: dict):
+    """``aten.view`` on a DTensor, retried on a re-laid local tensor when the local view fails.
+
+    DTensor declares an output's strides from the op's meta function, which for some kernels disagrees with what the
+    kernel returns: an elementwise backward (``softplus_backward``) of a transposed gradient and a contiguous input
+    declares a contiguous result while the local kernel follows the gradient's memory order. Such a tensor is
+    viewable by its declared strides but not locally, so ``reshape`` (which autograd's ``ViewBackward`` and model code
+    call) takes the view path and fails on the local tensor. Here the local tensor is then laid out as declared (a
+    copy; the values are the same) and viewed; a view that is invalid for the declared strides too still raises.
+    """
+    handlers = torch_internals.dtensor_custom_op_handlers()
+    handlers.pop(op_call, None)
+    try:
+        return op_call(*args, **kwargs)
+    except RuntimeError as e:
+        if "view size is not compatible" not in str(e) or not isinstance(args[0], DTensor):
+            raise
+        return op_call(_relaid_as_declared(args[0]), *args[1:], **kwargs)
+    finally:
+        handlers[op_call] = _view_of_relaid
+
+
+_installed = False
+
+
+def install() -> None:
+    """Register the rules above with torch's DTensor (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu.default,
+                         schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"]))(_cpu_flash_attention_strategy)
+    register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                         schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]))(
+        _cpu_flash_attention_backward_strategy)
+    if hasattr(aten, "_grouped_mm"):
+        # torch's own extension point for per-op DTensor behaviour (vescale.dtensor.random and loss_parallel use it)
+        torch_internals.dtensor_custom_op_handlers()[aten._grouped_mm.default] = _grouped_mm_on_replicated
+    torch_internals.dtensor_custom_op_handlers()[aten.view.default] = _view_of_relaid
+    _installed = True

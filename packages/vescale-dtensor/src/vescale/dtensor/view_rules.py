@@ -1,7 +1,7 @@
 """Sharding propagation of view-family ops (``view``, ``reshape``, ``flatten``, ``unflatten``, ``expand``,
 ``permute``, ``transpose``, ``unsqueeze``, ``squeeze``, ``repeat``) for inputs with an interleaved placement
-(:class:`~vescale.dtensor.InterleavedShard`, i.e. torch's ``_StridedShard``), registered when :mod:`vescale.dtensor`
-is imported.
+(:class:`~vescale.dtensor.InterleavedShard`, i.e. torch's ``_StridedShard``), registered by :func:`install` on first
+use of :mod:`vescale.dtensor` (never at import).
 
 torch's view rules treat ``_StridedShard`` as the by-product of its own flatten (FSDP2 + TP) and get general
 interleaved layouts wrong: ``[24] _StridedShard(sf=3)`` viewed as ``[4, 6]`` on 2 ranks comes out as
@@ -44,33 +44,41 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, StrategyType, TupleStrategy
-from torch.distributed.tensor._ops import _view_ops
-from torch.distributed.tensor._ops._view_ops import (
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from vescale.core import torch_internals
+from vescale.core.torch_internals import (
     Broadcast,
+    DTensorSpec,
     Flatten,
     InputDim,
     NewDim,
+    OpOverload,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
     Repeat,
     Singleton,
     Split,
+    StrategyType,
+    TupleStrategy,
+    generate_redistribute_costs,
+    register_op_strategy,
 )
-from torch.distributed.tensor._ops.utils import generate_redistribute_costs, register_op_strategy
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
+from vescale.core.torch_internals import StridedShard as _StridedShard
+from vescale.core.torch_internals import view_ops as _view_ops
 from vescale.dtensor.errors import PlacementError
-from vescale.dtensor.layout import local_shape
+from vescale.dtensor.layout import local_dim_indices, local_shape
 from vescale.dtensor.placements import RaggedShard
 
-__all__ = ["propagate_strided_view", "VIEW_OPS", "RAGGED_REFUSED"]
+__all__ = ["propagate_strided_view", "VIEW_OPS", "RAGGED_REFUSED", "install"]
 
 aten = torch.ops.aten
 
 #: The view-family ATen ops whose torch strategy is wrapped, with the torch function whose dim map they use
 #: (the same pairs torch registers in ``torch/distributed/tensor/_ops/_view_ops.py``).
-VIEW_OPS: dict[torch._ops.OpOverload, tuple[Callable, bool]] = {
+VIEW_OPS: dict[OpOverload, tuple[Callable, bool]] = {
     aten.view.default: (Tensor.view, True),
     aten._unsafe_view.default: (Tensor.view, True),
     aten.view_copy.default: (Tensor.view, False),
@@ -146,7 +154,7 @@ def _strided_output(p: _StridedShard, mesh_size: int, in_shape: Sequence[int], r
     if group is None:
         return None, [p.dim]
     in_dims, out_dims, out_sizes = group
-    sf = p._split_factor_int()
+    sf = torch_internals.split_factor(p)
     size = int(in_shape[p.dim])
     if sf < 1 or size % sf:
         return None, in_dims
@@ -210,7 +218,7 @@ def propagate_strided_view(placements: Sequence[Placement], in_shape: Sequence[i
 
 #: Shape ops whose torch strategy would pass a ``RaggedShard`` through as if it were ``Replicate`` (wrong values or a
 #: local shape error): refused with a :class:`PlacementError` instead.
-RAGGED_REFUSED: tuple[torch._ops.OpOverload, ...] = (
+RAGGED_REFUSED: tuple[OpOverload, ...] = (
     *VIEW_OPS, aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
     aten.slice.Tensor, aten.select.int, aten.cat.default, aten.stack.default, aten.unbind.int, aten.t.default,
     aten.diagonal.default,
@@ -225,7 +233,7 @@ def _strategies(arg) -> list[OpStrategy]:
     return []
 
 
-def _refuse_ragged(op: torch._ops.OpOverload, op_schema: OpSchema) -> None:
+def _refuse_ragged(op: OpOverload, op_schema: OpSchema) -> None:
     for arg in op_schema.args_schema:
         for strategy in _strategies(arg):
             for spec in strategy.strategies:
@@ -275,6 +283,77 @@ def _local_sizes_agree(mesh, in_shape: Sequence[int], tgt: Sequence[Placement], 
     return True
 
 
+#: Largest view group (elements) whose layout :func:`_layout_kept` checks index by index; a larger nested or interleaved
+#: group is replicated rather than trusted.
+_MAX_CHECKED_GROUP = 1 << 22
+
+
+def _group_order(mesh, shape: Sequence[int], dims: Sequence[int], placements: Sequence[Placement],
+                 coord: Sequence[int]) -> torch.Tensor:
+    """The row-major flat index, within the group of ``dims`` of ``shape``, of each element the mesh coordinate
+    ``coord`` holds, in local order (mesh dims placing other tensor dims are ignored)."""
+    sizes = [int(shape[d]) for d in dims]
+    local = []
+    for p in placements:
+        if isinstance(p, _StridedShard) and p.dim in dims:
+            local.append(_StridedShard(list(dims).index(p.dim), split_factor=torch_internals.split_factor(p)))
+        elif isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim in dims:
+            local.append(Shard(list(dims).index(p.dim)))
+        else:
+            local.append(Replicate())
+    idx = local_dim_indices(sizes, mesh, local, coord)
+    flat = torch.zeros((), dtype=torch.int64)
+    for ix, n in zip(idx, sizes):
+        flat = (flat.unsqueeze(-1) * n + ix).reshape(-1) if flat.dim() else ix.clone()
+    return flat
+
+
+def _layout_kept(mesh, in_shape: Sequence[int], tgt: Sequence[Placement], out_shape: Sequence[int],
+                 out: Sequence[Placement], rule: Sequence) -> bool:
+    """Whether a view (same element count, row-major order kept) of an input placed ``tgt`` is exactly the output
+    placed ``out`` on every mesh coordinate: the local tensor is viewed, so each coordinate's local elements, in
+    local order, must be the same global elements. Checked index by index per view group touched by a sharded mesh
+    dim (a group of more than ``_MAX_CHECKED_GROUP`` elements counts as not proven). torch's rules get nested
+    layouts wrong: ``[E, T, H]`` placed (Shard(1), _StridedShard(1, sf=2)) viewed as ``[E * T, H]`` comes out as
+    (_StridedShard(0, sf=E), _StridedShard(0, sf=2)), which holds other rows on the second mesh dim."""
+    if math.prod(in_shape) != math.prod(out_shape):
+        return True
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for d in range(len(in_shape)):
+        group = _group_of(rule, d)
+        if group is not None:
+            groups[tuple(group[0])] = group[1]
+    touched = set()
+    for p in tgt:
+        if isinstance(p, (Shard, _StridedShard)):
+            key = next((k for k in groups if p.dim in k), None)
+            if key is None:
+                return False
+            touched.add(key)
+    for p in out:
+        if isinstance(p, (Shard, _StridedShard)):
+            key = next((k for k, o in groups.items() if p.dim in o), None)
+            if key is None:
+                return False
+            touched.add(key)
+    for in_dims in touched:
+        out_dims = groups[in_dims]
+        if math.prod(int(in_shape[d]) for d in in_dims) > _MAX_CHECKED_GROUP:
+            return False
+        acting = [m for m in range(mesh.ndim)
+                  if (isinstance(tgt[m], (Shard, _StridedShard)) and tgt[m].dim in in_dims)
+                  or (isinstance(out[m], (Shard, _StridedShard)) and out[m].dim in out_dims)]
+        with torch_internals.outside_dispatch_modes():  # real index tensors, also while torch.compile traces
+            for combo in itertools.product(*(range(mesh.size(m)) for m in acting)):
+                coord = [0] * mesh.ndim
+                for m, c in zip(acting, combo):
+                    coord[m] = c
+                if not torch.equal(_group_order(mesh, in_shape, in_dims, tgt, coord),
+                                   _group_order(mesh, out_shape, out_dims, out, coord)):
+                    return False
+    return True
+
+
 def _replicate_reshaped(placements: Sequence[Placement], rule: Sequence) -> list[Placement]:
     """``placements`` with every mesh dim that shards a dim the view merges, splits or drops set to ``Replicate``."""
     out = []
@@ -287,7 +366,7 @@ def _replicate_reshaped(placements: Sequence[Placement], rule: Sequence) -> list
     return out
 
 
-def _view_strategy(op: torch._ops.OpOverload, dim_map_fn: Callable, strict_view: bool, torch_strategy: Callable
+def _view_strategy(op: OpOverload, dim_map_fn: Callable, strict_view: bool, torch_strategy: Callable
                    ) -> Callable[[OpSchema], StrategyType]:
     dim_map = _view_ops.dim_maps[dim_map_fn]
 
@@ -309,10 +388,18 @@ def _view_strategy(op: torch._ops.OpOverload, dim_map_fn: Callable, strict_view:
             # (batch on dp and sequence on tp flattened together, FSDP x TP): torch's rule is written for it and
             # keeps it sharded (replicating here would cost an all-gather per block and breaks torch.compile's
             # tracing of the graphs after it). Where torch's rule cannot place it, vescale's below replicates.
+            # torch's rule is checked element by element and used only where it keeps every coordinate's elements.
             try:
-                return torch_strategy(op_schema)
+                result = torch_strategy(op_schema)
             except (RuntimeError, AssertionError, NotImplementedError):
-                pass
+                result = None
+            if result is not None:
+                rule = dim_map(*op_schema.args_schema, **op_schema.kwargs_schema)
+                mesh = op_schema.get_mesh_from_args(validate=False)
+                out_shape = _out_shape(rule, in_shape)
+                if all(_layout_kept(mesh, in_shape, spec.input_specs[0].placements, out_shape,
+                                    spec.output_spec.placements, rule) for spec in result.strategies):
+                    return result
         if not strided:
             result = torch_strategy(op_schema)
             # torch's rules are right for one sharded mesh dim; nested uneven Shards of one group can get local
@@ -325,20 +412,25 @@ def _view_strategy(op: torch._ops.OpOverload, dim_map_fn: Callable, strict_view:
         mesh = op_schema.get_mesh_from_args(validate=False)
         out_shape = _out_shape(rule, in_shape)
         if not strided and all(_local_sizes_agree(mesh, in_shape, spec.input_specs[0].placements, out_shape,
-                                                  spec.output_spec.placements) for spec in result.strategies):
+                                                  spec.output_spec.placements)
+                               and _layout_kept(mesh, in_shape, spec.input_specs[0].placements, out_shape,
+                                                spec.output_spec.placements, rule)
+                               for spec in result.strategies):
             return result
         result = OpStrategy([])
         for spec in input_strategy.strategies:
             src = spec.output_spec
             try:
                 tgt, out = propagate_strided_view(src.placements, in_shape, rule, tuple(mesh.shape), strict_view)
-                if not _local_sizes_agree(mesh, in_shape, tgt, out_shape, out):
+                if not (_local_sizes_agree(mesh, in_shape, tgt, out_shape, out)
+                        and _layout_kept(mesh, in_shape, tgt, out_shape, out, rule)):
                     tgt, out = propagate_strided_view(_replicate_reshaped(src.placements, rule), in_shape, rule,
                                                       tuple(mesh.shape), strict_view)
             except RuntimeError as e:
                 raise RuntimeError(f"{op}: input of global shape {in_shape} with placements {tuple(src.placements)} "
                                    f"on mesh {tuple(mesh.shape)} (dims {mesh.mesh_dim_names}): {e}") from e
-            if not _local_sizes_agree(mesh, in_shape, tgt, out_shape, out):
+            if not (_local_sizes_agree(mesh, in_shape, tgt, out_shape, out)
+                    and _layout_kept(mesh, in_shape, tgt, out_shape, out, rule)):
                 raise PlacementError(f"{op}: no consistent output placement for input of global shape {in_shape} "
                                      f"placed {tuple(src.placements)} on mesh {tuple(mesh.shape)} (dims "
                                      f"{mesh.mesh_dim_names}); redistribute it to Replicate first")
@@ -359,7 +451,7 @@ def _nested(placements: Sequence[Placement]) -> bool:
     return len(dims) != len(set(dims))
 
 
-def _ragged_guard(op: torch._ops.OpOverload, torch_strategy: Callable) -> Callable[[OpSchema], StrategyType]:
+def _ragged_guard(op: OpOverload, torch_strategy: Callable) -> Callable[[OpSchema], StrategyType]:
     def strategy(op_schema: OpSchema) -> StrategyType:
         _refuse_ragged(op, op_schema)
         return torch_strategy(op_schema)
@@ -367,8 +459,9 @@ def _ragged_guard(op: torch._ops.OpOverload, torch_strategy: Callable) -> Callab
     return strategy
 
 
-def _install() -> None:
-    propagator = DTensor._op_dispatcher.sharding_propagator
+def install() -> None:
+    """Wrap torch's strategies of the ops above with these rules (idempotent)."""
+    propagator = torch_internals.sharding_propagator()
     for op in RAGGED_REFUSED:
         torch_strategy = propagator.op_strategy_funcs[op]
         if getattr(torch_strategy, "_vescale_wrapped", False):
@@ -381,6 +474,3 @@ def _install() -> None:
         new._vescale_wrapped = True
         register_op_strategy(op, schema_info=propagator.op_to_schema_info.get(op))(new)
     propagator.propagate_op_sharding.cache_clear()
-
-
-_install()

@@ -10,27 +10,28 @@ from __future__ import annotations
 
 from vescale.parallel.clip_grad import clip_grad_norm_, grad_norm, mark_sharded  # part 2: DP/ZeRO
 from vescale.parallel.compile import (  # compile mode
-    CompileError,
     block_graph_breaks,
     compile_forward,
     compile_parallel,
     compiled_blocks,
 )
-from vescale.parallel.ddp import DDPError, DistributedDataParallel  # part 2: DP/ZeRO
-from vescale.parallel.loss import LossParallelError, loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
-from vescale.parallel.optimizer import DistributedOptimizer, ZeroError  # part 2: DP/ZeRO
-from vescale.parallel.parallelize import Plan, parallelize_module, plan_report  # part 1: TP/SP
+from vescale.parallel.ddp import DistributedDataParallel  # part 2: DP/ZeRO
+from vescale.parallel.errors import CompileError, DDPError, LossParallelError, Zero3Error, ZeroError
+from vescale.parallel.loss import loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
+from vescale.parallel.optimizer import DistributedOptimizer  # part 2: DP/ZeRO
+from vescale.parallel.parallelize import parallelize_module, plan_report  # part 1: TP/SP
+from vescale.parallel.plan_grammar import Plan, check_plan  # part 1: TP/SP
 from vescale.parallel.plans import PLANS, gpt2_plan, gpt_plan, llama_plan, mixtral_plan, qwen2_plan  # part 1: TP/SP
 from vescale.parallel.report import PlanEntry, PlanReport  # part 1: TP/SP
 from vescale.parallel.stage import parallelize_stage  # pipeline stages (vescale-plan)
-from vescale.parallel.zero3 import Zero3Error, fully_shard_dp  # part 2: DP/ZeRO
+from vescale.parallel.zero3 import fully_shard_dp  # part 2: DP/ZeRO
 
 __all__: list[str] = []
 __all__ += ["DistributedDataParallel", "DDPError", "DistributedOptimizer", "ZeroError", "clip_grad_norm_", "grad_norm",
             "mark_sharded", "fully_shard_dp", "Zero3Error"]  # part 2: DP/ZeRO
-__all__ += ["parallelize_module", "plan_report", "Plan", "PlanReport", "PlanEntry", "vocab_parallel_cross_entropy",
-            "loss_parallel", "LossParallelError", "PLANS", "gpt_plan", "llama_plan", "qwen2_plan", "mixtral_plan",
-            "gpt2_plan"]  # part 1: TP/SP
+__all__ += ["parallelize_module", "plan_report", "Plan", "check_plan", "PlanReport", "PlanEntry",
+            "vocab_parallel_cross_entropy", "loss_parallel", "LossParallelError", "PLANS", "gpt_plan", "llama_plan",
+            "qwen2_plan", "mixtral_plan", "gpt2_plan"]  # part 1: TP/SP
 __all__ += ["parallelize_stage"]  # pipeline stages (vescale-plan)
 __all__ += ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks",
             "CompileError"]  # compile mode

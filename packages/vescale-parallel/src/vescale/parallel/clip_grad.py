@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from vescale.core.torch_internals import local_tensor
+
 __all__ = ["clip_grad_norm_", "grad_norm", "mark_sharded"]
 
 _SUM_GROUPS = "_vescale_norm_sum_groups"
@@ -56,7 +58,7 @@ def _grad_piece(p: torch.Tensor) -> tuple[torch.Tensor | None, tuple]:
     if isinstance(g, DTensor):
         if any(isinstance(pl, Partial) for pl in g.placements):
             g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
-        return g._local_tensor, _dtensor_groups(g)
+        return local_tensor(g), _dtensor_groups(g)
     return g, tuple(getattr(p, _SUM_GROUPS, ()))
 
 
@@ -133,7 +135,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for p in params:
-        g, _ = _grad_piece(p) if not isinstance(p.grad, DTensor) else (p.grad._local_tensor, ())
+        g, _ = _grad_piece(p) if not isinstance(p.grad, DTensor) else (local_tensor(p.grad), ())
         if g is not None:
             g.mul_(coef.to(g.dtype))
     return total

@@ -3,7 +3,7 @@
 :func:`compile_parallel` compiles each transformer block (every child of the model's ``nn.ModuleList`` of layers, or
 the modules a regex names) with :meth:`nn.Module.compile`, which keeps every FQN, ``state_dict`` key and parameter
 object. Inside a block, everything vescale installs compiles into one graph per block: DTensor ops, the plan's
-``.input``/``.output`` redistributions (and their Megatron-style backward), and tensors captured by
+``input``/``output`` redistributions (and their Megatron-style backward), and tensors captured by
 :class:`~vescale.parallel.factory.FactoryCapture` (the causal mask built in a block). ``fullgraph=True`` is the
 default, so a graph break inside a block is an error, not a silent slowdown.
 
@@ -17,7 +17,7 @@ AOT autograd and the compiled graph really run alone, so nothing is converted tw
 becomes a graph break and that frame runs eagerly (still correct, but slow).
 
 What stays eager: the loss when called outside the model, gradient hooks (DDP buckets, ``param.grad``
-redistribution) and the optimizer, which run once per step and are not on the hot path; ``.local`` modules of the
+redistribution) and the optimizer, which run once per step and are not on the hot path; ``local`` modules of the
 plan (data-dependent MoE dispatch), which are skipped if they are blocks.
 
 Dropout inside a block is refused in training mode (:class:`CompileError`): vescale's counter-based RNG makes
@@ -36,17 +36,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from vescale.core.errors import VescaleError
+from vescale.core import torch_internals
+from vescale.core.blocks import find_blocks
 from vescale.dtensor.layout import contiguous_stride, smallest_shard
+from vescale.parallel.errors import CompileError
 from vescale.parallel.factory import compiled_region
 from vescale.parallel.local import _local_forward
 
-__all__ = ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks", "CompileError",
+__all__ = ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks",
            "install_compilable_embeddings"]
-
-
-class CompileError(VescaleError, ValueError):
-    """A model cannot be compiled as asked (no blocks found, dropout active in a block, bad arguments)."""
 
 
 def compile_parallel(module: nn.Module, *, blocks: str | None = None, backend: str | Callable = "inductor",
@@ -73,7 +71,7 @@ def compile_parallel(module: nn.Module, *, blocks: str | None = None, backend: s
         if getattr(block.forward, "func", None) is _local_forward:
             continue  # a .local module (data dependent): stays eager
         block.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, mode=mode, options=options)
-        block._compiled_call_impl = functools.partial(_run_compiled, block._compiled_call_impl)
+        torch_internals.set_compiled_call(block, functools.partial(_run_compiled, torch_internals.compiled_call(block)))
         compiled.append(fqn)
     module._vescale_compiled_blocks = compiled
     return module
@@ -135,8 +133,8 @@ def block_graph_breaks(module: nn.Module, *args: Any, blocks: str | None = None,
         a, kw = seen[fqn]
         with torch.no_grad(), (FactoryCapture(mesh) if mesh is not None else contextlib.nullcontext()), \
                 compiled_region():
-            torch._dynamo.reset()
-            ex = torch._dynamo.explain(functools.partial(_call_uncompiled, block))(*a, **kw)
+            torch.compiler.reset()
+            ex = torch_internals.dynamo_explain(functools.partial(_call_uncompiled, block))(*a, **kw)
         result[fqn] = {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count,
                        "reasons": [str(r.reason) for r in ex.break_reasons]}
     return result
@@ -149,7 +147,7 @@ def install_compilable_embeddings(module: nn.Module) -> list[str]:
     others (``parallelize_module`` calls this after distributing the parameters). Eagerly its ``forward`` is
     unchanged (torch's ``_MaskPartial`` lookup). While dynamo traces it, it looks up this rank's vocabulary rows
     Megatron-style instead: ids outside the slice read row 0 and are zeroed, and the result is a plain ``Partial``
-    sum over the vocab dim, which the embedding's ``.output`` entry then reduces (the same collective). Modules that
+    sum over the vocab dim, which the embedding's ``output`` entry then reduces (the same collective). Modules that
     override ``forward`` or use ``max_norm``/``sparse``/``scale_grad_by_freq`` keep torch's lookup.
     """
     found = []
@@ -203,24 +201,23 @@ def _run_compiled(compiled: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 def _call_uncompiled(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return nn.Module._call_impl(block, *args, **kwargs)
+    return torch_internals.call_uncompiled(block, *args, **kwargs)
 
 
 def _find_blocks(module: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module]]:
-    if pattern is not None:
-        try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            raise CompileError(f"blocks pattern {pattern!r} is not a valid regex: {e}") from None
-        found = [(fqn, m) for fqn, m in module.named_modules() if fqn and rx.fullmatch(fqn)]
-        if not found:
-            raise CompileError(f"blocks pattern {pattern!r} matches no submodule of {type(module).__name__}")
-        return found
-    lists = [(fqn, m) for fqn, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    try:
+        found = find_blocks(module, pattern)
+    except re.error as e:
+        raise CompileError(f"blocks pattern {pattern!r} is not a valid regex: {e}") from None
+    if not found and pattern is not None:
+        raise CompileError(f"blocks pattern {pattern!r} matches no submodule of {type(module).__name__}")
+    if not found:
         raise CompileError(f"{type(module).__name__} has no nn.ModuleList of blocks; name them with blocks=REGEX")
-    fqn, layers = max(lists, key=lambda x: len(x[1]))
-    return [(f"{fqn}.{name}" if fqn else name, b) for name, b in layers.named_children()]
+    return found
+
+
+# torch's dropout modules (all the public subclasses of its private _DropoutNd)
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def _check_no_dropout(fqn: str, block: nn.Module) -> None:
@@ -228,7 +225,7 @@ def _check_no_dropout(fqn: str, block: nn.Module) -> None:
         if not m.training:
             continue
         where = f"{fqn}.{name}" if name else fqn
-        p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else getattr(m, "attention_dropout", 0.0)
+        p = m.p if isinstance(m, _DROPOUT_MODULES) else getattr(m, "attention_dropout", 0.0)
         if isinstance(p, (int, float)) and p > 0:
             raise CompileError(f"block {where!r} ({type(m).__name__}) has dropout p={p} in training mode; compiled "
                                "dropout would not reproduce vescale's single-device RNG masks. Set dropout to 0 or "

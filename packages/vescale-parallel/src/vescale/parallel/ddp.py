@@ -25,30 +25,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from vescale.core.errors import VescaleError
+from vescale.core.mesh import dim_group
+from vescale.core.torch_internals import local_tensor, queue_end_of_backward
+from vescale.parallel.errors import DDPError
 
-__all__ = ["DistributedDataParallel", "DDPError"]
-
-
-class DDPError(VescaleError, ValueError):
-    """A module, mesh or option cannot be used by :class:`DistributedDataParallel`."""
+__all__ = ["DistributedDataParallel"]
 
 
-# torch >= 2.12 renamed the single-tensor collectives; keep one spelling here.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _queue_end_of_backward(callback) -> None:
-    # Private autograd API (also used by torch DDP and FSDP2): run ``callback`` once the current backward pass ends.
-    from torch.autograd.variable import Variable
-
-    Variable._execution_engine.queue_callback(callback)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores for ``t``: its local shard for a DTensor, ``t`` itself otherwise."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+# torch 2.13's spelling of the single-tensor collectives (``*_into_tensor`` / ``*_tensor`` are deprecated there).
+_reduce_scatter = dist.reduce_scatter_single
+_all_gather = dist.all_gather_single
 
 
 @dataclass(eq=False)
@@ -111,7 +97,7 @@ class _GradBuffer:
 class DistributedDataParallel(nn.Module):
     """Data parallelism over the dp dimension with bucketed, overlapped gradient reduction into a flat buffer.
 
-    ``mesh_or_group`` is a 1-D DeviceMesh, an nD DeviceMesh with a ``"dp"`` dimension, or a ProcessGroup; gradients
+    ``mesh`` is a 1-D DeviceMesh, an nD DeviceMesh with a ``"dp"`` dimension, or a ProcessGroup; gradients
     are averaged over that group only (TP DTensor parameters keep their placements). Parameters are broadcast from dp
     rank 0 at construction, so replicas start identical. ``grad_dtype`` is the dtype gradients are accumulated and
     reduced in (``None``: each parameter's own dtype); with bf16 parameters the default fp32 gives fp32 gradient
@@ -130,7 +116,7 @@ class DistributedDataParallel(nn.Module):
     Every rank of the dp group must run the same backward passes (same parameters receive gradients).
     """
 
-    def __init__(self, module: nn.Module, mesh_or_group, *, bucket_size_mb: float = 25, overlap: bool = True,
+    def __init__(self, module: nn.Module, mesh, *, bucket_size_mb: float = 25, overlap: bool = True,
                  grad_dtype: torch.dtype | None = torch.float32, zero_stage: int = 0) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2):
@@ -141,7 +127,7 @@ class DistributedDataParallel(nn.Module):
         if not dist.is_initialized():
             raise DDPError("DistributedDataParallel needs an initialised process group")
         self.module = module
-        self.dp_group, self.dp_dim_name = _dp_group(mesh_or_group)
+        self.dp_group, self.dp_dim_name = _dp_group(mesh)
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
         self.zero_stage = zero_stage
@@ -261,7 +247,7 @@ class DistributedDataParallel(nn.Module):
         p.main_grad = view
         if not self._callback_queued:
             self._callback_queued = True
-            _queue_end_of_backward(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)  # as torch DDP and FSDP2 do
         if self._sync_enabled and self.overlap:
             slot.bucket.ready += 1
             self._launch_ready()
@@ -370,18 +356,14 @@ def _round_up(n: int, k: int) -> int:
     return max(k, math.ceil(n / k) * k)
 
 
-def _dp_group(mesh_or_group):
-    """(process group, mesh dim name) for the data-parallel dimension of a mesh or a group."""
+def _dp_group(mesh, dim: str = "dp"):
+    """(process group, mesh dim name) for the data-parallel dimension ``dim`` of a mesh, or a group as is."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if isinstance(mesh_or_group, DeviceMesh):
-        names = tuple(mesh_or_group.mesh_dim_names or ())
-        if mesh_or_group.ndim == 1:
-            return mesh_or_group.get_group(), (names[0] if names else "dp")
-        if "dp" not in names:
-            raise DDPError(f"mesh has dimensions {list(names)} (shape {tuple(mesh_or_group.shape)}); "
-                           "DistributedDataParallel needs a 1-D mesh or one with a 'dp' dimension")
-        return mesh_or_group["dp"].get_group(), "dp"
-    if isinstance(mesh_or_group, dist.ProcessGroup):
-        return mesh_or_group, "dp"
-    raise DDPError(f"mesh_or_group must be a DeviceMesh or ProcessGroup, got {type(mesh_or_group).__name__}")
+    if not isinstance(mesh, (DeviceMesh, dist.ProcessGroup)):
+        raise DDPError(f"mesh must be a DeviceMesh or ProcessGroup, got {type(mesh).__name__}")
+    found = dim_group(mesh, dim)
+    if found is None:
+        raise DDPError(f"mesh has dimensions {list(mesh.mesh_dim_names or ())} (shape {tuple(mesh.shape)}); "
+                       f"DistributedDataParallel needs a 1-D mesh or one with a {dim!r} dimension")
+    return found

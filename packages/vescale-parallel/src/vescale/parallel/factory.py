@@ -100,7 +100,7 @@ class FactoryCapture(TorchFunctionMode):
 
 @contextlib.contextmanager
 def capture_suspended() -> Iterator[None]:
-    """Inside, factories stay plain: for code that runs on local shards (a ``.local`` module of the plan)."""
+    """Inside, factories stay plain: for code that runs on local shards (a ``local`` module of the plan)."""
     global _suspended
     _suspended += 1
     try:

@@ -1,13 +1,13 @@
 """Local modules: run a submodule on this rank's shards as plain tensors, for code DTensor cannot propagate through.
 
 Some model code is data dependent in ways DTensor's sharding propagation does not support (a mixture-of-experts
-dispatch calls ``nonzero``/``where`` and loops over the experts that were hit). The plan key ``MODULE.local`` runs
-such a module Megatron-style instead: its DTensor arguments and its own parameters/buffers are replaced by their
-local tensors (``to_local``, differentiable), the original ``forward`` runs on plain tensors, and its tensor outputs are
-wrapped back as DTensors with the placements of the module's ``MODULE.output`` entry (default ``Replicate``), which
+dispatch calls ``nonzero``/``where`` and loops over the experts that were hit). An entry of the plan's ``local``
+section runs such a module Megatron-style instead: its DTensor arguments and its own parameters/buffers are replaced
+by their local tensors (``to_local``, differentiable), the original ``forward`` runs on plain tensors, and its tensor
+outputs are wrapped back as DTensors with the placements of the module's ``output`` entry (default ``Replicate``), which
 describe what the *local* results are, e.g. ``Partial()`` for a row-parallel result.
 
-The value of ``MODULE.local`` gives, per positional argument (a list) or keyword (a dict), what each rank's local
+The module's ``local`` entry gives, per positional argument (a list) or keyword (a dict), what each rank's local
 *gradient* of that argument is, e.g. ``Partial()`` for a replicated input that feeds sharded weights; ``None`` (or a
 missing entry) means "the argument's own placements". Parameters' gradients are those of their local shards, taken as
 ``Partial`` on the mesh dims where the module's arguments are sharded (each rank saw part of the data there).
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from vescale.core import torch_internals
 from vescale.parallel.factory import capture_suspended
 
 __all__ = ["make_local"]
@@ -63,9 +64,7 @@ def _local_forward(*args: Any, orig, module: nn.Module, mesh, grad_spec, out_spe
             for name, t in _named_state(module) if isinstance(t, DTensor)}
     # torch's private reparametrisation (what torch.func.functional_call uses) swaps the tensors for this call only;
     # functional_call itself would re-enter module.__call__ and run this module's hooks twice.
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    with capture_suspended(), _reparametrize_module(module, swap):
+    with capture_suspended(), torch_internals.reparametrize_module(module, swap):
         out = orig(*args, **kwargs)
     return _wrap_outputs(out, mesh, out_spec, fqn)
 

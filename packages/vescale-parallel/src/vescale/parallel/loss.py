@@ -24,14 +24,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from vescale.core.errors import VescaleError
 from vescale.dtensor.layout import contiguous_stride
+from vescale.parallel.errors import LossParallelError
 
-__all__ = ["vocab_parallel_cross_entropy", "loss_parallel", "LossParallelError"]
-
-
-class LossParallelError(VescaleError, ValueError):
-    """The logits/target layout does not suit vocab-parallel cross-entropy."""
+__all__ = ["vocab_parallel_cross_entropy", "loss_parallel"]
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from vescale.core import torch_internals
+
 __all__ = ["CORRECTED_FUNCTIONS", "correct_call", "mark_unwritten"]
 
 _CAT_FUNCTIONS = frozenset({torch.cat, torch.concat, torch.concatenate})
@@ -130,8 +132,7 @@ def _adopt_layout_of_first_write(func, args: tuple) -> None:
     resharded = dst.redistribute(dst.device_mesh, src.placements)
     # The one place vescale changes a DTensor's layout in place: the buffer's owner (a cache layer) keeps a reference
     # to this very object, so a new DTensor would not reach it. Global shape and values are unchanged.
-    dst._local_tensor = resharded._local_tensor
-    dst._spec = resharded._spec
+    torch_internals.replace_dtensor_contents(dst, resharded)
 
 
 def mark_unwritten(tensor: DTensor) -> None:
@@ -218,6 +219,7 @@ def _index_as_dtensors(args: tuple) -> tuple:
 
 
 _INDEX_FUNCTIONS = frozenset({torch.Tensor.__getitem__})
+
 
 CORRECTED_FUNCTIONS: frozenset = (_CAT_FUNCTIONS | _WRITE_FUNCTIONS | _LOSSES | _INDEX_FUNCTIONS
                                   | {F.scaled_dot_product_attention})

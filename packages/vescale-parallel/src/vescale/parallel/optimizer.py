@@ -33,21 +33,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from vescale.core.errors import VescaleError
 from vescale.dtensor import RaggedShard
 from vescale.parallel.clip_grad import _dtensor_groups, clip_grad_norm_, mark_sharded
 from vescale.parallel.ddp import DistributedDataParallel, _all_gather, _Bucket, _Slot, local_tensor
+from vescale.parallel.errors import ZeroError
 
-__all__ = ["DistributedOptimizer", "ZeroError", "STATE_DICT_FORMAT"]
+__all__ = ["DistributedOptimizer", "STATE_DICT_FORMAT"]
 
 STATE_DICT_FORMAT = "vescale.zero/1"
 
 # Optimizers whose update of an element depends on other elements: they cannot run on a flat piece unchanged.
 _NOT_ELEMENTWISE = {"LBFGS", "SparseAdam", "Adafactor", "Muon"}
-
-
-class ZeroError(VescaleError, ValueError):
-    """A DistributedOptimizer cannot be built from, or loaded with, what it was given."""
 
 
 @dataclass(eq=False)
@@ -90,10 +86,11 @@ def _scatter_gathered(bucket: _Bucket, full: torch.Tensor, work) -> None:
 class DistributedOptimizer:
     """ZeRO ``zero_stage`` 1 (optimizer states sharded over dp) or 2 (gradients too) around a torch optimizer.
 
+    ``module`` (first, as everywhere in vescale) is the :class:`DistributedDataParallel` whose buffers hold the
+    gradients; its ``zero_stage`` must be 2 for ``zero_stage=2`` and 0 or 1 for ``zero_stage=1``.
     ``optimizer_cls_or_instance`` is an optimizer class (built with ``**kw`` over this rank's master pieces) or a
     freshly built instance over ``module``'s parameters (its param groups and defaults are reused; it must have no
-    state yet). ``module`` is the :class:`DistributedDataParallel` whose buffers hold the gradients; its
-    ``zero_stage`` must be 2 for ``zero_stage=2`` and 0 or 1 for ``zero_stage=1``. ``master_dtype`` is the dtype of
+    state yet). ``master_dtype`` is the dtype of
     the master weights and optimizer states (fp32 for bf16 models). ``clip_grad`` clips the global gradient norm
     (over dp, TP shards and ``pp_group``) before each step; the norm is kept in :attr:`grad_norm`.
 
@@ -101,9 +98,12 @@ class DistributedOptimizer:
     schedulers take :attr:`optimizer` (the wrapped torch optimizer).
     """
 
-    def __init__(self, optimizer_cls_or_instance, module: DistributedDataParallel, *, zero_stage: int = 1,
+    def __init__(self, module: DistributedDataParallel, optimizer_cls_or_instance, *, zero_stage: int = 1,
                  clip_grad: float | None = None, master_dtype: torch.dtype = torch.float32,
                  pp_group: dist.ProcessGroup | None = None, **kw: Any) -> None:
+        if isinstance(optimizer_cls_or_instance, DistributedDataParallel):
+            raise ZeroError("the module comes first: DistributedOptimizer(ddp_module, optimizer_cls_or_instance, "
+                            "...), as in every vescale API")
         if not isinstance(module, DistributedDataParallel):
             raise ZeroError(f"DistributedOptimizer needs a vescale.parallel.DistributedDataParallel module, got "
                             f"{type(module).__name__}; wrap it first: DistributedDataParallel(model, mesh, "

@@ -1,22 +1,14 @@
 """``parallelize_module``: turn an unmodified module into a tensor/sequence-parallel one from a plan that is data.
 
-A plan is a dict with up to two sections, each mapping regex FQN patterns (full match, first wins, matched by
-:func:`vescale.core.fqn.match_plan`) to placements, one :class:`~torch.distributed.tensor.Placement` per dim of the
-device mesh::
+The plan is written in the grammar of :mod:`vescale.parallel.plan_grammar` (sections ``parameter``, ``input``,
+``output`` and ``local``, each mapping regex FQN patterns to values, ``""`` for the root module; one item per
+argument), and is checked against it and against the module before anything changes.
 
-    {"parameter": {r"layers\\.\\d+\\.attn\\.wq\\.weight": [Shard(0)], ...},
-     "forward":   {r"layers\\.\\d+\\.attn.input":  [[Replicate()], None, None],   # per positional argument
-                   r"layers\\.\\d+\\.attn\\.wo.output": [[Shard(1)]],             # per output
-                   r"layers\\.\\d+\\.self_attn.input": {"hidden_states": [Replicate()]},   # per keyword argument
-                   "input": [[Shard(0), Replicate()]],                           # the root module itself
-                   "output": [None]}}
-
-Parameters no pattern names are replicated; buffers are always replicated. ``MODULE.input`` redistributes the
+Parameters no pattern names are replicated; buffers are always replicated. An ``input`` entry redistributes the
 module's DTensor arguments to the given placements before its ``forward`` (a plain tensor is taken as this rank's
-local piece under them, like :meth:`DTensor.from_local`); ``MODULE.output`` redistributes its outputs after. ``None``
-leaves an argument/output alone. Entries may also be a single placements list (``[Shard(1)]``) for one argument.
-``MODULE.local`` runs a submodule on local shards as plain tensors, for data-dependent code DTensor cannot follow
-(see :mod:`.local`). A key spelled ``r"proj\\.input"`` (escaped dot before the suffix) is accepted too.
+local piece under them, like :meth:`DTensor.from_local`); an ``output`` entry redistributes its outputs after.
+``None`` leaves an argument/output alone. A ``local`` entry runs a submodule on local shards as plain tensors, for
+data-dependent code DTensor cannot follow (see :mod:`.local`).
 
 The root module's boundary is plain tensors: plain arguments without an entry become ``Replicate`` DTensors, and
 DTensor outputs become plain tensors, via ``to_local()`` after redistributing to the root's ``output`` entry (default
@@ -50,39 +42,37 @@ from torch.distributed.tensor.placement_types import Placement
 
 from vescale.core.errors import PlanError
 from vescale.core.fqn import match_plan
+from vescale.core.placement_format import format_placements
 from vescale.dtensor import distribute_tensor, is_deferred, materialize
 from vescale.parallel.compile import install_compilable_embeddings
 from vescale.parallel.factory import FactoryCapture, capture_suspended
 from vescale.parallel.local import make_local
+from vescale.parallel.plan_grammar import Plan, check_plan, mesh_description
 from vescale.parallel.report import PlanEntry, PlanReport
 
 __all__ = ["parallelize_module", "plan_report", "Plan"]
 
-#: ``{"parameter": {regex: placements}, "forward": {regex + ".input"/".output"/".local": per-arg placements}}``.
-Plan = Mapping[str, Mapping[str, Any]]
 
-_SECTIONS = ("parameter", "forward")
-
-
-def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, plan: Plan) -> nn.Module:
+def parallelize_module(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     """Shard ``module``'s parameters and install its activation layouts as ``plan`` says; return ``module``.
 
     In place: parameters become ``nn.Parameter`` DTensors (``distribute_tensor``, which takes rank 0's values of
     each mesh group), buffers replicated DTensors, and forward hooks are registered. The whole plan is checked
-    against the module first, so a bad plan raises :class:`~vescale.core.errors.PlanError` (naming the pattern,
-    FQN, shape, placements and mesh dim) on every rank before any collective. ``module.plan_report()`` returns the
+    against the grammar (:func:`~vescale.parallel.check_plan`) and against the module first, so a bad plan raises
+    :class:`~vescale.core.errors.PlanError` (naming the section, pattern, FQN, shape, placements and mesh dim) on
+    every rank before any collective. ``module.plan_report()`` returns the
     :class:`~vescale.parallel.report.PlanReport` afterwards.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize_module expects an nn.Module, got {type(module).__name__}")
-    plan = _check_sections(plan)
-    mesh_desc = _mesh_desc(device_mesh)
-    decisions = _decide_parameters(module, device_mesh, plan.get("parameter", {}), mesh_desc)
-    inputs, outputs, local = _decide_forward(module, device_mesh, plan.get("forward", {}), mesh_desc)
+    checked = check_plan(plan, mesh)
+    mesh_desc = mesh_description(mesh)
+    decisions = _decide_parameters(module, mesh, checked.parameter, mesh_desc)
+    inputs, outputs, local = (_decide_boundaries(module, getattr(checked, s), s) for s in ("input", "output", "local"))
 
     report = PlanReport(mesh_desc)
-    _distribute_state(module, device_mesh, decisions, report)
-    _install_hooks(module, device_mesh, inputs, outputs, local, report)
+    _distribute_state(module, mesh, decisions, report)
+    _install_hooks(module, mesh, inputs, outputs, local, report)
     install_compilable_embeddings(module)
     module.plan_report = functools.partial(_identity, report)
     return module
@@ -103,23 +93,6 @@ def _identity(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 # Checking the plan (pure, identical on every rank, before any collective)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _check_sections(plan: Plan) -> dict[str, Mapping[str, Any]]:
-    if not isinstance(plan, Mapping):
-        raise PlanError(f"a plan is a dict with sections {list(_SECTIONS)}, got {type(plan).__name__}")
-    unknown = [k for k in plan if k not in _SECTIONS]
-    if unknown:
-        raise PlanError(f"unknown plan section(s) {unknown}; a plan has sections {list(_SECTIONS)}")
-    for name, section in plan.items():
-        if not isinstance(section, Mapping):
-            raise PlanError(f"plan section {name!r} must map FQN patterns to placements, got {type(section).__name__}")
-    return dict(plan)
-
-
-def _mesh_desc(mesh) -> str:
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)) + ")"
 
 
 def _dim_name(mesh, i: int) -> str:
@@ -172,13 +145,13 @@ def _check_param_placements(placements: tuple[Placement, ...], shape: torch.Size
 def _decide_parameters(module: nn.Module, mesh, section: Mapping[str, Any], mesh_desc: str) -> dict[int, tuple]:
     """``{id(param): (fqns, placements, pattern)}`` for every parameter; tied parameters must agree."""
     named = list(module.named_parameters(remove_duplicate=False))
-    matches = match_plan(section, [fqn for fqn, _ in named], what="parameter plan")
+    matches = match_plan(section, [fqn for fqn, _ in named], what="plan section 'parameter'")
     replicate = tuple(Replicate() for _ in range(mesh.ndim))
     decisions: dict[int, tuple] = {}
     for fqn, param in named:
         match = matches.get(fqn)
         if match is not None:
-            where = f"parameter plan entry {match.pattern!r} for {fqn!r} (shape {tuple(param.shape)})"
+            where = f"plan section 'parameter', entry {match.pattern!r} for {fqn!r} (shape {tuple(param.shape)})"
             placements = _check_placements(match.value, mesh, where=where, mesh_desc=mesh_desc)
             _check_param_placements(placements, param.shape, mesh, where=where)
             pattern = match.pattern
@@ -198,45 +171,11 @@ def _decide_parameters(module: nn.Module, mesh, section: Mapping[str, Any], mesh
     return decisions
 
 
-def _parse_boundary(value: Any, mesh, *, where: str, mesh_desc: str):
-    """A boundary entry as ``list[placements | None]`` (positional) or ``dict[str, placements | None]``."""
-
-    def one(v: Any, what: str):
-        return None if v is None else _check_placements(v, mesh, where=f"{where} {what}", mesh_desc=mesh_desc)
-
-    if isinstance(value, Mapping):
-        return {str(k): one(v, f"argument {k!r}") for k, v in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if value and all(isinstance(p, Placement) for p in value):
-            return [one(value, "argument 0")]  # a single placements list: the first argument/output
-        return [one(v, f"position {i}") for i, v in enumerate(value)]
-    raise PlanError(f"{where}: expected a list (per position) or a dict (per keyword) of placements, got {value!r}")
-
-
-def _decide_forward(module: nn.Module, mesh, section: Mapping[str, Any], mesh_desc: str):
-    """Split ``forward`` keys into ``{module_fqn: (pattern, spec)}`` for inputs and for outputs."""
-    by_kind: dict[str, dict[str, Any]] = {"input": {}, "output": {}, "local": {}}
-    keys: dict[tuple[str, str], str] = {}
-    for key, value in section.items():
-        if not isinstance(key, str):
-            raise PlanError(f"forward plan key {key!r} must be a string 'MODULE_REGEX.input' or '.output'")
-        pattern, _, kind = key.rpartition(".")
-        if pattern.endswith("\\"):  # r"proj\.input": the suffix's dot was escaped like the others
-            pattern = pattern[:-1]
-        if kind not in by_kind:
-            raise PlanError(f"forward plan key {key!r} must end in '.input', '.output' or '.local' ('input'/'output' "
-                            "alone for the root module)")
-        spec = _parse_boundary(value, mesh, where=f"forward plan entry {key!r}", mesh_desc=mesh_desc)
-        by_kind[kind][pattern] = spec
-        keys[(kind, pattern)] = key
-    module_fqns = [fqn for fqn, _ in module.named_modules()]
-    result = []
-    for kind, entries in by_kind.items():
-        matches = match_plan(entries, module_fqns, what=f"forward plan ('.{kind}' entries, module patterns)")
-        result.append({fqn: (keys[(kind, m.pattern)], m.value) for fqn, m in matches.items()})
-    if "" in result[2]:
-        raise PlanError("forward plan: the root module cannot be '.local'; name a submodule")
-    return result[0], result[1], result[2]
+def _decide_boundaries(module: nn.Module, section: Mapping[str, Any], name: str) -> dict[str, tuple[str, Any]]:
+    """``{module_fqn: (pattern, arguments)}`` for one checked boundary section (module patterns, first wins)."""
+    fqns = [fqn for fqn, _ in module.named_modules()]
+    matches = match_plan(section, fqns, what=f"plan section {name!r} (module patterns)")
+    return {fqn: (m.pattern, m.value) for fqn, m in matches.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,7 +197,7 @@ def _distribute_state(module: nn.Module, mesh, decisions: dict[int, tuple], repo
     new_params: dict[int, nn.Parameter] = {}
     for mod_fqn, mod in module.named_modules(remove_duplicate=False):
         prefix = f"{mod_fqn}." if mod_fqn else ""
-        for name, param in list(mod._parameters.items()):
+        for name, param in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
             if param is None:
                 continue
             placements, pattern = by_fqn[prefix + name]
@@ -271,14 +210,16 @@ def _distribute_state(module: nn.Module, mesh, decisions: dict[int, tuple], repo
                 if new.requires_grad:
                     new.register_post_accumulate_grad_hook(_grad_to_param_placements)
                 new_params[id(param)] = new
-            mod._parameters[name] = new_params[id(param)]
-            report.entries.append(PlanEntry("parameter", prefix + name, tuple(param.shape), _fmt(placements), pattern))
-        for name, buf in list(mod._buffers.items()):
+            setattr(mod, name, new_params[id(param)])
+            report.entries.append(PlanEntry("parameter", prefix + name, tuple(param.shape),
+                                            format_placements(placements), pattern))
+        for name, buf in list(mod.named_buffers(recurse=False, remove_duplicate=False)):
             if buf is None:
                 continue
             if not isinstance(buf, DTensor):
-                mod._buffers[name] = distribute_tensor(buf, mesh, replicate)
-            report.entries.append(PlanEntry("buffer", prefix + name, tuple(buf.shape), _fmt(replicate), None))
+                setattr(mod, name, distribute_tensor(buf, mesh, replicate))
+            report.entries.append(PlanEntry("buffer", prefix + name, tuple(buf.shape), format_placements(replicate),
+                                            None))
 
 
 def _grad_to_param_placements(param: torch.Tensor) -> None:
@@ -286,18 +227,6 @@ def _grad_to_param_placements(param: torch.Tensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-def _fmt(placements) -> str:
-    if placements is None:
-        return "None"
-    return "[" + ", ".join(str(p) for p in placements) + "]"
-
-
-def _fmt_spec(spec) -> str:
-    if isinstance(spec, dict):
-        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in spec.items()) + "}"
-    return "[" + ", ".join(_fmt(v) for v in spec) + "]"
 
 
 class _RootState:
@@ -314,15 +243,15 @@ class _RootState:
 def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: dict, report: PlanReport) -> None:
     mods = dict(module.named_modules())
     for fqn, (key, spec) in local.items():
-        report.entries.append(PlanEntry("local", fqn, (), _fmt_spec(spec), key))
+        report.entries.append(PlanEntry("local", fqn, (), format_placements(spec), key))
         make_local(mods[fqn], mesh, spec, outputs.get(fqn, (None, None))[1], fqn)
     for fqn, (key, spec) in inputs.items():
-        report.entries.append(PlanEntry("input", fqn, (), _fmt_spec(spec), key))
+        report.entries.append(PlanEntry("input", fqn, (), format_placements(spec), key))
         if fqn != "":
             mods[fqn].register_forward_pre_hook(
                 functools.partial(_input_hook, mesh=mesh, spec=spec, fqn=fqn), with_kwargs=True)
     for fqn, (key, spec) in outputs.items():
-        report.entries.append(PlanEntry("output", fqn, (), _fmt_spec(spec), key))
+        report.entries.append(PlanEntry("output", fqn, (), format_placements(spec), key))
         if fqn != "" and fqn not in local:
             mods[fqn].register_forward_hook(functools.partial(_output_hook, mesh=mesh, spec=spec, fqn=fqn))
     # a root that runs an exported graph (a pipeline stage) calls aten factories directly; others call torch.*
@@ -349,7 +278,7 @@ def _convert(x: Any, mesh, placements, *, where: str) -> Any:
     if isinstance(x, torch.Tensor):
         return DTensor.from_local(x, mesh, placements, run_check=False)
     raise PlanError(f"{where} is a {type(x).__name__}, not a tensor, but the plan gives it placements "
-                    f"{_fmt(placements)}")
+                    f"{format_placements(placements)}")
 
 
 def _redistribute(x: DTensor, mesh, placements: tuple) -> DTensor:

@@ -1,8 +1,9 @@
 """Example TP/SP plans for well-known model families, built for a given mesh: plain data you can print and edit.
 
-Each function returns a :data:`~vescale.parallel.parallelize.Plan` for :func:`~vescale.parallel.parallelize_module`
-on ``mesh``. ``tp`` names the mesh dim that shards (Megatron-style: column-parallel q/k/v and up/gate, row-parallel
-output projections, vocab-parallel embedding, column-parallel lm head); if the mesh has a ``dp`` dim, activations
+Each function returns a plan (in the grammar of :mod:`vescale.parallel.plan_grammar`) for
+:func:`~vescale.parallel.parallelize_module` on ``mesh``. ``tp`` names the mesh dim that shards (Megatron-style:
+column-parallel q/k/v and up/gate, row-parallel output projections, vocab-parallel embedding, column-parallel lm
+head); if the mesh has a ``dp`` dim, activations
 (and the root's inputs and outputs) are batch-sharded on it, so each data-parallel rank passes its own batch and the
 whole mesh still computes the single-device program over the global batch. Every other mesh dim replicates.
 
@@ -57,24 +58,26 @@ def _decoder_plan(d: _Dims, *, embed: str, layers: str, attn: str, qkv: list[str
             params[rf"{layers}\.\d+\.{attn}\.{name}\.bias"] = col
     params[rf"{layers}\.\d+\.{attn}\.{o}\.weight"] = row
     stream = d.act(Shard(1)) if sequence_parallel else d.act(Replicate())
-    forward = {
-        "input": [d.act(Replicate())],
-        rf"{embed}.output": [stream],
-        rf"{layers}\.\d+\.{attn}\.{o}.output": [stream],
-        rf"{lm_head}.output": [d.act(Shard(-1))],
-        "output": [None if loss_parallel else d.act(Replicate())],
+    outputs = {
+        embed: [stream],
+        rf"{layers}\.\d+\.{attn}\.{o}": [stream],
+        lm_head: [d.act(Shard(-1))],
+        "": [None if loss_parallel else d.act(Replicate())],
+    }
+    inputs = {
+        "": [d.act(Replicate())],
         # Block inputs are all-gathered (SP) or kept replicated (TP); either way their gradients are reduced there.
-        rf"{layers}\.\d+\.{attn}.input": attn_in,
-        rf"{layers}\.\d+\.{mlp}.input": mlp_in,
-        rf"{lm_head}.input": [d.act(Replicate())],
+        rf"{layers}\.\d+\.{attn}": attn_in,
+        rf"{layers}\.\d+\.{mlp}": mlp_in,
+        lm_head: [d.act(Replicate())],
     }
     if down is not None:
         for name in up:
             params[rf"{layers}\.\d+\.{mlp}\.{name}\.weight"] = col
         params[rf"{layers}\.\d+\.{mlp}\.{down}\.weight"] = row
-        forward[rf"{layers}\.\d+\.{mlp}\.{down}.output"] = [stream]
+        outputs[rf"{layers}\.\d+\.{mlp}\.{down}"] = [stream]
     params[rf"{lm_head}\.weight"] = col
-    return {"parameter": params, "forward": forward}
+    return {"parameter": params, "input": inputs, "output": outputs}
 
 
 def gpt_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parallel: bool = False,
@@ -106,8 +109,8 @@ def _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, *, biases: bool,
 def _hf_boundary(plan: dict, d: _Dims, loss_parallel: bool) -> None:
     """Hugging Face models take keyword arguments and return a ModelOutput: name both by key."""
     batch = d.act(Replicate())
-    plan["forward"]["input"] = {"input_ids": batch, "labels": batch, "attention_mask": batch, "position_ids": batch}
-    plan["forward"]["output"] = {"logits": None if loss_parallel else batch}
+    plan["input"][""] = {"input_ids": batch, "labels": batch, "attention_mask": batch, "position_ids": batch}
+    plan["output"][""] = {"logits": None if loss_parallel else batch}
 
 
 def llama_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parallel: bool = False,
@@ -134,13 +137,12 @@ def mixtral_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parall
     plan["parameter"][r"model\.layers\.\d+\.mlp\.experts\.gate_up_proj"] = d.param(InterleavedShard(1, 2))
     plan["parameter"][r"model\.layers\.\d+\.mlp\.experts\.down_proj"] = d.param(Shard(2))
     stream = d.act(Shard(1)) if sequence_parallel else d.act(Replicate())
-    fwd = plan["forward"]
-    fwd[r"model\.layers\.\d+\.mlp.output"] = [stream]
+    plan["output"][r"model\.layers\.\d+\.mlp"] = [stream]
     # The expert dispatch is data dependent (nonzero/where): run the experts on local shards. Every input feeds the
     # sharded expert FFNs, so each rank's input gradients are partial sums; the local result is too.
     partial = d.act(Partial())
-    fwd[r"model\.layers\.\d+\.mlp\.experts.local"] = [partial, None, partial]
-    fwd[r"model\.layers\.\d+\.mlp\.experts.output"] = [partial]
+    plan["local"] = {r"model\.layers\.\d+\.mlp\.experts": [partial, None, partial]}
+    plan["output"][r"model\.layers\.\d+\.mlp\.experts"] = [partial]
     return plan
 
 
@@ -164,19 +166,19 @@ def gpt2_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parallel:
         r"transformer\.h\.\d+\.mlp\.c_proj\.weight": row,
     }
     stream = d.act(Shard(1)) if sequence_parallel else d.act(Replicate())
-    forward = {
-        r"transformer\.wte.output": [d.act(Replicate())],
-        r"transformer\.h\.\d+\.attn\.c_proj.output": [stream],
-        r"transformer\.h\.\d+\.mlp\.c_proj.output": [stream],
-        r"lm_head.output": [d.act(Shard(-1))],
+    outputs = {
+        r"transformer\.wte": [d.act(Replicate())],
+        r"transformer\.h\.\d+\.attn\.c_proj": [stream],
+        r"transformer\.h\.\d+\.mlp\.c_proj": [stream],
+        r"lm_head": [d.act(Shard(-1))],
     }
-    plan = {"parameter": params, "forward": forward}
+    plan = {"parameter": params, "input": {}, "output": outputs}
     _hf_boundary(plan, d, loss_parallel)
     if sequence_parallel:
-        forward[r"transformer\.drop.output"] = [stream]
-        forward[r"transformer\.h\.\d+\.attn.input"] = [d.act(Replicate())]
-        forward[r"transformer\.h\.\d+\.mlp.input"] = [d.act(Replicate())]
-        forward[r"lm_head.input"] = [d.act(Replicate())]
+        outputs[r"transformer\.drop"] = [stream]
+        plan["input"][r"transformer\.h\.\d+\.attn"] = [d.act(Replicate())]
+        plan["input"][r"transformer\.h\.\d+\.mlp"] = [d.act(Replicate())]
+        plan["input"][r"lm_head"] = [d.act(Replicate())]
     return plan
 
 

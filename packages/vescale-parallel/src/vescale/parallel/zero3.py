@@ -9,18 +9,15 @@ and :func:`~vescale.parallel.clip_grad_norm_` works on the resulting gradients u
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from torch import nn
 
-from vescale.core.errors import VescaleError
+from vescale.core.blocks import find_blocks
+from vescale.core.mesh import dim_mesh
+from vescale.parallel.errors import Zero3Error
 
-__all__ = ["fully_shard_dp", "Zero3Error"]
-
-
-class Zero3Error(VescaleError, ValueError):
-    """The mesh or block pattern given to :func:`fully_shard_dp` cannot be used."""
+__all__ = ["fully_shard_dp"]
 
 
 def fully_shard_dp(module: nn.Module, mesh, *, blocks: str | None = None, reshard_after_forward: bool = True,
@@ -35,21 +32,13 @@ def fully_shard_dp(module: nn.Module, mesh, *, blocks: str | None = None, reshar
     """
     from torch.distributed.fsdp import fully_shard
 
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim == 1:
-        dp_mesh = mesh
-    elif "dp" in names:
-        dp_mesh = mesh["dp"]
-    else:
-        raise Zero3Error(f"mesh has dimensions {list(names)} (shape {tuple(mesh.shape)}); fully_shard_dp needs a "
-                         "1-D mesh or one with a 'dp' dimension")
-    if blocks is None:
-        targets = [m for ml in module.modules() if isinstance(ml, nn.ModuleList) for m in ml]
-    else:
-        pattern = re.compile(blocks)
-        targets = [m for fqn, m in module.named_modules() if fqn and pattern.fullmatch(fqn)]
-        if not targets:
-            raise Zero3Error(f"blocks pattern {blocks!r} matches no submodule FQN of {type(module).__name__}")
+    dp_mesh = dim_mesh(mesh, "dp")
+    if dp_mesh is None:
+        raise Zero3Error(f"mesh has dimensions {list(mesh.mesh_dim_names or ())} (shape {tuple(mesh.shape)}); "
+                         "fully_shard_dp needs a 1-D mesh or one with a 'dp' dimension")
+    targets = [m for _, m in find_blocks(module, blocks, every_list=True)]
+    if blocks is not None and not targets:
+        raise Zero3Error(f"blocks pattern {blocks!r} matches no submodule FQN of {type(module).__name__}")
     kw = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy

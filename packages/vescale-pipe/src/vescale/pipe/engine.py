@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vescale.core.mesh import dim_group
 from vescale.pipe import _p2p
 from vescale.pipe._backward import PendingWeightGrad, backward_full, backward_input, backward_weight
 from vescale.pipe.errors import PipeError, ScheduleError
@@ -186,7 +187,7 @@ class PipeEngine:
     target_mb)`` is applied to the last stage's output. DTensor outputs (stages with TP parameters) become plain
     full tensors: later stages and ``loss_fn`` receive plain tensors. Parameters of different stages are the same
     (tied) parameter when their FQNs match, or map to the same name in the stage's ``canonical_names`` dict (as
-    :func:`split` sets); their gradients are summed over the pp group. ``pp`` is a process group, a 1-D DeviceMesh,
+    :func:`split` sets); their gradients are summed over the pp group. ``mesh`` is a process group, a 1-D DeviceMesh,
     or a named nD DeviceMesh with a ``pp`` dimension (then ``dp``, when present and ``dp_group`` is not given,
     averages gradients over stage replicas). ``schedule`` is a registered name or a :class:`PipeSchedule`.
 
@@ -194,11 +195,11 @@ class PipeEngine:
     :class:`PipeError` (a stage missing for this rank) on every rank before any p2p traffic.
     """
 
-    def __init__(self, stages: Sequence[nn.Module | None] | Mapping[int, nn.Module], pp: Any = None, *,
+    def __init__(self, stages: Sequence[nn.Module | None] | Mapping[int, nn.Module], mesh: Any = None, *,
                  schedule: str | PipeSchedule = "1f1b", num_microbatches: int,
                  loss_fn: Callable[[Any, Any], torch.Tensor], num_stages: int | None = None,
                  dp_group: Any = None) -> None:
-        self.group, self.dp_group, self.mesh = self._resolve_groups(pp, dp_group)
+        self.group, self.dp_group, self.mesh = self._resolve_groups(mesh, dp_group)
         self.pp_rank = dist.get_rank(self.group)
         self.pp_size = dist.get_world_size(self.group)
         self.peers = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
@@ -255,16 +256,15 @@ class PipeEngine:
     def _resolve_groups(pp: Any, dp_group: Any) -> tuple[Any, Any, Any]:
         if pp is None:
             return None, dp_group, None
-        if hasattr(pp, "mesh_dim_names"):
-            names = tuple(pp.mesh_dim_names or ())
-            if pp.ndim == 1:
-                return pp.get_group(), dp_group, pp
-            if "pp" not in names:
-                raise PipeError(f"the mesh has dimensions {list(names)}; PipeEngine needs a 'pp' dimension")
-            if dp_group is None and "dp" in names:
-                dp_group = pp["dp"].get_group()
-            return pp["pp"].get_group(), dp_group, pp
-        return pp, dp_group, None
+        if not hasattr(pp, "mesh_dim_names"):
+            return pp, dp_group, None
+        found = dim_group(pp, "pp")  # a 1-D mesh is all pp
+        if found is None:
+            raise PipeError(f"the mesh has dimensions {list(pp.mesh_dim_names or ())}; PipeEngine needs a 'pp' "
+                            "dimension")
+        if dp_group is None and pp.ndim > 1:
+            dp_group = (dim_group(pp, "dp", whole_if_1d=False) or (None,))[0]
+        return found[0], dp_group, pp
 
     def parameters(self) -> list[nn.Parameter]:
         """The distinct trainable parameters of this rank's stages (give them to the optimizer)."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vescale.core.blocks import find_blocks
 from vescale.pipe.errors import SplitError
 
 __all__ = ["GraphStage", "capture", "split", "auto_split_points"]
@@ -30,7 +31,7 @@ __all__ = ["GraphStage", "capture", "split", "auto_split_points"]
 
 def _pytree():
     # torch.export describes inputs and outputs with torch's pytree specs; this is the one place that uses them.
-    import torch.utils._pytree as pytree
+    from vescale.core.torch_internals import pytree
 
     return pytree
 
@@ -65,13 +66,16 @@ class GraphStage(nn.Module):
         self.index, self.num_stages = index, num_stages
         object.__setattr__(self, "_gm", gm)  # not a submodule: keeps FQNs of this module equal to the model's
         self._state = [(name, kind == "param") for name, _, kind in state]
+        made: dict[str, nn.Module] = {}  # the submodules created here, by FQN
         for name, value, kind in state:
             *parents, leaf = name.split(".")
             owner = self
-            for part in parents:
-                if part not in owner._modules:
-                    owner.add_module(part, nn.Module())
-                owner = owner._modules[part]
+            for i, part in enumerate(parents):
+                path = ".".join(parents[:i + 1])
+                if path not in made:
+                    made[path] = nn.Module()
+                    owner.add_module(part, made[path])
+                owner = made[path]
             if kind == "param":
                 owner.register_parameter(leaf, value)
             else:
@@ -154,12 +158,10 @@ def auto_split_points(model: nn.Module, num_stages: int, *, example_inputs: Any 
     """Module FQNs that start stages 1..N-1, balancing parameter counts (the blocks of the longest ModuleList)."""
     args, kwargs = _normalise_inputs(example_inputs)
     ep = exported if exported is not None else _export(model, args, kwargs)
-    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList)]
-    if not lists:
+    candidates = [fqn for fqn, _ in find_blocks(model)]
+    if not candidates:
         raise SplitError(f"{type(model).__name__} has no nn.ModuleList of blocks to place automatic boundaries at; "
                          "give split_points=[FQN, ...]")
-    name, blocks = max(lists, key=lambda item: len(item[1]))
-    candidates = [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
     nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
     index = {n: i for i, n in enumerate(nodes)}
     starts = [_start_index(nodes, c) for c in candidates]

@@ -18,14 +18,15 @@ from vescale.plan.auto_parallelize import (
 from vescale.plan.auto_plan import AutoPlan, Decision, auto_plan, plan_from_trace
 from vescale.plan.comm import CommCounter
 from vescale.plan.cost import CostEstimate, HardwareModel, estimate
+from vescale.plan.errors import TraceError
 from vescale.plan.explain import explain
 from vescale.plan.hf_tp_plan import from_transformers_tp_plan
-from vescale.plan.pipeline import PipelineSplit, pipeline_split
-from vescale.plan.trace import ModelTrace, TraceError, trace_model
+from vescale.plan.pipeline import PipelineSplit, build_pipeline, pipeline_split
+from vescale.plan.trace import ModelTrace, trace_model
 from vescale.plan.verify import PairCheck, verify_pairs
 
 __all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace", "explain", "auto_parallelize",
            "choose_parallelism", "ParallelReport", "ParallelResult",
            "language_model_loss", "CostEstimate", "HardwareModel", "estimate", "PipelineSplit",
-           "pipeline_split", "CommCounter", "trace_model", "ModelTrace", "TraceError", "verify_pairs", "PairCheck",
-           "from_transformers_tp_plan"]
+           "pipeline_split", "build_pipeline", "CommCounter", "trace_model", "ModelTrace", "TraceError",
+           "verify_pairs", "PairCheck", "from_transformers_tp_plan"]

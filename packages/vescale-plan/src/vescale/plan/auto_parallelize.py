@@ -13,7 +13,7 @@ from torch import nn
 from vescale.core.errors import PlanError
 from vescale.plan.auto_plan import AutoPlan, auto_plan, plan_from_trace
 from vescale.plan.cost import CostEstimate, HardwareModel, estimate
-from vescale.plan.pipeline import PipelineSplit, _blocks, pipeline_split
+from vescale.plan.pipeline import PipelineSplit, _blocks, build_pipeline, pipeline_split
 from vescale.plan.trace import ModelTrace, TraceError, trace_model
 
 __all__ = ["ParallelReport", "ParallelResult", "choose_parallelism", "auto_parallelize", "language_model_loss"]
@@ -159,7 +159,7 @@ class ParallelResult:
         if zero and self.ddp is not None:
             from vescale.parallel import DistributedOptimizer
 
-            return DistributedOptimizer(optimizer_cls, self.ddp, zero_stage=zero, **kw)
+            return DistributedOptimizer(self.ddp, optimizer_cls, zero_stage=zero, **kw)
         return optimizer_cls(self.parameters(), **kw)
 
 
@@ -262,38 +262,16 @@ def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=No
             report.notes.append(f"DistributedDataParallel over dp={c.dp}, zero_stage={c.zero_stage}; build the "
                                 "optimizer with result.make_optimizer(cls, **kw)")
     else:
-        result.engine = _build_pipeline(model, report, sub, tp_mesh, trace, microbatches, schedule,
-                                        loss_fn or language_model_loss,
-                                        _microbatch_example(example_args, example_kwargs,
-                                                            batch_size // c.dp // microbatches, seq_len),
-                                        example_args, example_kwargs)
+        if tp_mesh is not None:  # parameter entries only: a captured stage has no module boundaries; no SP
+            report.plan = auto_plan(model, tp_mesh, sequence_parallel=False, example_args=example_args,
+                                    example_kwargs=example_kwargs, trace=trace)
+        result.engine = build_pipeline(
+            model, sub["pp"], split_points=report.split.split_points, schedule=schedule,
+            num_microbatches=microbatches, loss_fn=loss_fn or language_model_loss, tp_mesh=tp_mesh, plan=report.plan,
+            example_inputs=_microbatch_example(example_args, example_kwargs, batch_size // c.dp // microbatches,
+                                               seq_len),
+            dp_group=sub["dp"].get_group() if "dp" in sub else None)
+        report.notes.append(f"pipeline: {result.engine.num_stages} stages at {report.split.split_points}, "
+                            f"schedule {schedule!r}, {microbatches} microbatches")
     report.applied = True
     return result
-
-
-def _build_pipeline(model: nn.Module, report: ParallelReport, sub: dict, tp_mesh, trace: ModelTrace,
-                    microbatches: int, schedule: str, loss_fn: Callable, mb_example: Any,
-                    example_args: tuple | None, example_kwargs: dict | None):
-    """Split ``model`` at the report's split points and build the engine over this rank's (tp-sharded) stages."""
-    from vescale.pipe import PipeEngine, build_schedule, split
-
-    c = report.chosen
-    stages: list[nn.Module | None] = list(split(model, split_points=report.split.split_points,
-                                                example_inputs=mb_example))
-    pp_mesh = sub["pp"]
-    sched = build_schedule(schedule, c.pp, microbatches, len(stages))
-    local = set(sched.stages_of(pp_mesh.get_local_rank()))
-    stages = [s if i in local else None for i, s in enumerate(stages)]
-    if tp_mesh is not None:
-        from vescale.parallel import parallelize_stage
-
-        # parameter entries only: a captured stage has no module boundaries; no sequence parallelism
-        report.plan = auto_plan(model, tp_mesh, sequence_parallel=False, example_args=example_args,
-                                example_kwargs=example_kwargs, trace=trace)
-        embeddings = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
-        stages = [parallelize_stage(s, tp_mesh, report.plan, embeddings) if s is not None else None
-                  for s in stages]
-    report.notes.append(f"pipeline: {len(stages)} stages at {report.split.split_points}, schedule {schedule!r}, "
-                        f"{microbatches} microbatches")
-    return PipeEngine(stages, pp_mesh, schedule=sched, num_microbatches=microbatches, loss_fn=loss_fn,
-                      dp_group=sub["dp"].get_group() if "dp" in sub else None)

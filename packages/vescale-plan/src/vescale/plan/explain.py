@@ -5,17 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vescale.core.placement_format import format_placements
+from vescale.parallel.plan_grammar import BOUNDARY_SECTIONS, check_plan
+
 __all__ = ["explain"]
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, (list, tuple)) and all(hasattr(p, "is_replicate") for p in value):
-        return "[" + ", ".join(str(p) for p in value) + "]"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
-    return str(value)
 
 
 def explain(plan: Mapping[str, Mapping[str, Any]], *, replicated: bool = True) -> str:
@@ -23,8 +16,9 @@ def explain(plan: Mapping[str, Mapping[str, Any]], *, replicated: bool = True) -
 
     For an :class:`~vescale.plan.AutoPlan` the rows are its decisions (one per parameter FQN, including tied
     aliases and replicated ones - ``replicated=False`` hides those - then module boundaries and notes), each with its
-    role and the reason it was taken. Any other plan dict (hand-written) is listed pattern by pattern with the reason
-    ``"given"``.
+    role and the reason it was taken. Any other plan dict (hand-written) is checked against the plan grammar
+    (:func:`vescale.parallel.check_plan`, raising :class:`~vescale.core.errors.PlanError`) and listed section by
+    section, pattern by pattern, with the reason ``"given"``.
     """
     decisions = getattr(plan, "decisions", None)
     rows: list[tuple[str, str, str, str, str]] = []
@@ -35,11 +29,12 @@ def explain(plan: Mapping[str, Mapping[str, Any]], *, replicated: bool = True) -
             rows.append((d.kind, d.fqn or "<root>", d.placements, d.role, d.reason))
         title = f"auto plan on {getattr(plan, 'mesh_desc', '') or 'the mesh'}"
     else:
-        for key, value in plan.get("parameter", {}).items():
-            rows.append(("parameter", key, _fmt(value), "-", "given"))
-        for key, value in plan.get("forward", {}).items():
-            pattern, _, kind = key.rpartition(".")
-            rows.append((kind, pattern or "<root>", _fmt(value), "boundary", "given"))
+        checked = check_plan(plan)
+        for key, value in checked.parameter.items():
+            rows.append(("parameter", key, format_placements(value), "-", "given"))
+        for kind in BOUNDARY_SECTIONS:
+            for pattern, value in getattr(checked, kind).items():
+                rows.append((kind, pattern or "<root>", format_placements(value), "boundary", "given"))
         title = "hand-written plan"
     head = ("kind", "fqn", "placements", "role", "reason")
     widths = [min(60, max(len(r[i]) for r in [head, *rows])) for i in range(4)]

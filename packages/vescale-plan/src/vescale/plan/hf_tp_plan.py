@@ -65,9 +65,9 @@ def from_transformers_tp_plan(model: nn.Module, mesh, *, tp: str = "tp", dp: str
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     rep = [Replicate()] * mesh.ndim
-    plan: dict = {"parameter": {}, "forward": {
-        "input": {key: batch for key in ("input_ids", "labels", "attention_mask", "position_ids")},
-        "output": {"logits": batch}}}
+    plan: dict = {"parameter": {},
+                  "input": {"": {key: batch for key in ("input_ids", "labels", "attention_mask", "position_ids")}},
+                  "output": {"": {"logits": batch}}}
     for pattern, style in styles.items():
         regex = re.escape(pattern).replace(r"\*", r"\d+")
         matched_params = [n for n in params if re.fullmatch(regex, n)]
@@ -98,14 +98,14 @@ def from_transformers_tp_plan(model: nn.Module, mesh, *, tp: str = "tp", dp: str
                 plan["parameter"][regex + r"\.bias"] = _placements(
                     mesh, tp, InterleavedShard(0, 2) if style == "packed_colwise" else Shard(0))
             if style != "colwise":
-                plan["forward"][regex + ".output"] = [rep]
+                plan["output"][regex] = [rep]
         elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
             plan["parameter"][regex + r"\.weight"] = _placements(mesh, tp, Shard(0 if conv1d else 1))
-            plan["forward"][regex + ".output"] = [rep]
+            plan["output"][regex] = [rep]
         elif style in ("embedding_rowwise", "embedding_colwise"):
             plan["parameter"][regex + r"\.weight"] = _placements(
                 mesh, tp, Shard(0 if style == "embedding_rowwise" else 1))
-            plan["forward"][regex + ".output"] = [rep]
+            plan["output"][regex] = [rep]
         else:
             raise PlanError(f"transformers TP plan entry {pattern!r}: style {style!r} is not translated to a vescale "
                             "plan (its behaviour is specific to that module); use vescale.plan.auto_plan instead")

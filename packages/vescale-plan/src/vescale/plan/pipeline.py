@@ -1,16 +1,22 @@
-"""Pipeline stage boundaries balanced by parameter count and estimated flops, from a meta-device trace."""
+"""Pipeline stages: boundaries balanced by parameter count and estimated flops (from a meta-device trace), and the
+:class:`vescale.pipe.PipeEngine` over this rank's stages of a split model (:func:`build_pipeline`)."""
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
+from vescale.core.blocks import find_blocks
 from vescale.core.errors import PlanError
 from vescale.plan.trace import ModelTrace
 
-__all__ = ["PipelineSplit", "pipeline_split"]
+__all__ = ["PipelineSplit", "pipeline_split", "build_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -25,11 +31,10 @@ class PipelineSplit:
 
 
 def _blocks(model: nn.Module) -> tuple[str, list[str]]:
-    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList)]
-    if not lists:
+    blocks = [fqn for fqn, _ in find_blocks(model)]
+    if not blocks:
         raise PlanError(f"{type(model).__name__} has no nn.ModuleList of blocks to place pipeline boundaries at")
-    name, blocks = max(lists, key=lambda item: len(item[1]))
-    return name, [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
+    return blocks[0].rpartition(".")[0], blocks
 
 
 def pipeline_split(model: nn.Module, trace: ModelTrace, num_stages: int, *, flops_weight: float = 0.5
@@ -113,3 +118,75 @@ def _min_max_partition(costs: list[float], k: int) -> list[int]:
         i = arg[j][i]
         cuts.append(i)
     return sorted(cuts)[1:]
+
+
+def build_pipeline(model: nn.Module, pp_mesh, *, example_inputs: Any, num_microbatches: int,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], schedule: str = "1f1b",
+                   split_points: Sequence[str] | None = None, tp_mesh=None, plan: dict | None = None,
+                   dp_group=None, device: torch.device | str | None = None, compile: bool = False):
+    """Split ``model`` into pipeline stages, build only this rank's, and return the ``PipeEngine`` that runs them.
+
+    The split (``vescale.pipe.split``) is captured on ``example_inputs``, one microbatch; it starts stages at
+    ``split_points`` (module FQNs), or without them makes one stage per rank of the 1-D ``pp_mesh`` balanced by
+    parameter count. ``schedule`` (a registered name) with ``num_microbatches`` decides which stages are this rank's;
+    the others are never materialised, sharded or moved. Then, for each stage of this rank:
+
+    * a model built by ``vescale.dtensor.deferred_init`` is captured through a CPU shadow of uninitialised tensors
+      (``to_empty``: address space, no page written) rather than on the meta device, because model code may branch
+      on ``device.type`` (Mixtral's ``histc``) and must trace a real path; the stage then adopts the model's meta
+      tensors by their FQNs and materialises only them, bitwise the single-device values. When ``device`` is not the
+      CPU, the captured graph's factory ops that name the CPU are moved to ``device``;
+    * with ``tp_mesh``, the stage is sharded by the parameter entries of ``plan`` (``parallelize_stage``; a captured
+      stage has no module boundaries), embeddings replicated; a deferred stage is materialised straight into shards;
+    * with ``device``, the stage is moved there (constants the capture lifted out of ``forward`` are on the CPU);
+    * with ``compile``, its forward is compiled (``vescale.parallel.compile_forward``).
+
+    The engine runs ``schedule`` over ``pp_mesh``, applies ``loss_fn(output, target)`` to the last stage's output
+    and averages gradients over ``dp_group`` (stage replicas) when given. Collectives: none here but the engine's.
+    """
+    from torch.fx.node import map_aggregate
+
+    from vescale.dtensor import adopt_deferred, is_deferred, materialize
+    from vescale.parallel import compile_forward, parallelize_stage
+    from vescale.pipe import PipeEngine, build_schedule, capture, split
+
+    deferred = is_deferred(model)
+    traced = copy.deepcopy(model).to_empty(device="cpu") if deferred else model
+    if deferred:
+        example_inputs = map_aggregate(example_inputs, lambda v: v.cpu() if isinstance(v, torch.Tensor) else v)
+    exported = capture(traced, example_inputs)
+    if deferred and device is not None and torch.device(device).type != "cpu":
+        _move_graph_device(exported.graph, torch.device("cpu"), torch.device(device))
+    how = {"split_points": list(split_points)} if split_points is not None else {"num_stages": pp_mesh.size()}
+    stages: list[nn.Module | None] = list(split(traced, example_inputs=example_inputs, exported=exported, **how))
+    sched = build_schedule(schedule, pp_mesh.size(), num_microbatches, len(stages))
+    mine = set(sched.stages_of(pp_mesh.get_local_rank()))
+    embeddings = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    for i, stage in enumerate(stages):
+        if i not in mine:
+            stages[i] = None
+            continue
+        if deferred:
+            adopt_deferred(stage, model)  # the model's meta tensors by FQN, and its init record to replay
+        if tp_mesh is not None:
+            stage = parallelize_stage(stage, tp_mesh, plan, embeddings)
+        elif deferred:
+            materialize(stage, device=device)
+        if device is not None:
+            stage.to(device)
+        stages[i] = compile_forward(stage) if compile else stage
+    return PipeEngine(stages, pp_mesh, schedule=sched, num_microbatches=num_microbatches, loss_fn=loss_fn,
+                      dp_group=dp_group)
+
+
+def _move_graph_device(graph: torch.fx.Graph, old: torch.device, new: torch.device) -> None:
+    """Rewrite every ``device=old`` argument of ``graph``'s nodes (factories, ``to``) to ``new``, in place."""
+    from torch.fx.node import map_aggregate
+
+    def swap(value: Any) -> Any:
+        return new if isinstance(value, torch.device) and value == old else value
+
+    for node in graph.nodes:
+        args, kwargs = map_aggregate(node.args, swap), map_aggregate(node.kwargs, swap)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs

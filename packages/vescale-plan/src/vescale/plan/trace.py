@@ -28,16 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
-from vescale.core.errors import VescaleError
+from vescale.core.torch_internals import pytree
+from vescale.plan.errors import TraceError
 from vescale.plan.evidence import FeatureTracker, LayoutEvidence
 
-__all__ = ["trace_model", "ModelTrace", "MatmulEvent", "ModuleCall", "TraceError"]
-
-
-class TraceError(VescaleError, RuntimeError):
-    """The model could not be traced on the meta device (the planner then falls back to the module tree)."""
+__all__ = ["trace_model", "ModelTrace", "MatmulEvent", "ModuleCall"]
 
 
 @dataclass
@@ -89,6 +85,9 @@ class ModelTrace:
     root_outputs: dict[Any, int] = field(default_factory=dict)
     root_args: dict[Any, int] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)  # module FQN -> forward matmul flops of its own code
+    # module FQN -> the first op in its own code that mixes along the sequence outside attention (a convolution over
+    # time, a cumulative sum/scan): state-space and linear-attention mixers, which need the whole sequence
+    seq_mixing: dict[str, str] = field(default_factory=dict)
     stack: list[str] = field(default_factory=lambda: [""])
 
     def flops_under(self, prefix: str) -> float:
@@ -103,6 +102,10 @@ _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
 _SPLITS = {torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.tensor_split,
            torch.Tensor.tensor_split}
 _T_PROPS = (torch.Tensor.T.__get__, torch.Tensor.mT.__get__)  # ``w.T`` / ``w.mT`` (Falcon's FalconLinear)
+#: Ops that combine values along the sequence outside attention (causal convolutions and scans of SSM and
+#: linear-attention mixers): a module calling one needs its whole sequence on every rank.
+_SEQ_MIXING = {F.conv1d, torch.conv1d, torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod,
+               torch.logcumsumexp, torch.Tensor.logcumsumexp}
 _VIEWS = {torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.Tensor.flatten, torch.flatten,
           torch.Tensor.unflatten, torch.unflatten}
 
@@ -125,7 +128,7 @@ class _Recorder(TorchFunctionMode):
 
     def producers(self, x: Any) -> frozenset[str]:
         out: frozenset[str] = frozenset()
-        for leaf in tree_flatten(x)[0]:
+        for leaf in pytree.tree_flatten(x)[0]:
             if isinstance(leaf, torch.Tensor):
                 out = out | self.t.taint.get(id(leaf), frozenset())
         return out
@@ -133,6 +136,8 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _SEQ_MIXING:
+            self.t.seq_mixing.setdefault(self.t.stack[-1], getattr(func, "__name__", str(func)))
         try:
             self._record(func, args, kwargs, out)
         except Exception:  # recording must never change what the model computes
@@ -159,7 +164,7 @@ class _Recorder(TorchFunctionMode):
 
     def _record(self, func, args, kwargs, out) -> None:
         self._count_flops(func, args, kwargs, out)
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outs = [o for o in pytree.tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if func is F.embedding and len(args) >= 2 and self._param_operand(args[1]):
             fqn = self._param_operand(args[1])[0]
             self._event("embedding", fqn, None, 0, None, args[0], out)
@@ -266,7 +271,7 @@ def trace_model(model: nn.Module, example_args: tuple | None = None, example_kwa
         swap[fqn] = torch.empty(b.shape, dtype=b.dtype, device="meta")
 
     recorder = _Recorder(trace, param_of)
-    for x in tree_flatten((args, kwargs))[0]:
+    for x in pytree.tree_flatten((args, kwargs))[0]:
         if isinstance(x, torch.Tensor):
             recorder.note(x, frozenset())
     trace.root_args = {**{i: id(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)},
@@ -297,7 +302,7 @@ def _opaque_guard(mod: nn.Module, fqn: str, trace: ModelTrace, recorder: _Record
         try:
             out = original(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001
-            first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
+            first = next((a for a in pytree.tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
             if first is None or not first.is_floating_point():
                 raise
             trace.opaque.setdefault(fqn, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")

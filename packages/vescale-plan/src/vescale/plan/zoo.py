@@ -7,7 +7,8 @@ picked list. Of those, encoder families (also in the masked-LM mapping), encoder
 small config (its defaults, with the sizes shrunk where the config has them) and run the way its users call it: its
 default attention implementation, ``use_cache`` as the config says, ``input_ids`` with ``labels``, so the model's own
 loss. The single-device reference is the same call on the unparallelized model on each rank. The parallel run is
-``auto_plan`` + ``parallelize_module`` on the given mesh, each data-parallel rank passing its own rows.
+``auto_plan`` (with sequence parallelism) + ``parallelize_module`` on the given mesh, each data-parallel rank passing
+its own rows.
 
 Each case ends in one of:
 
@@ -202,6 +203,9 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype, pl
         ref = _model(arch, cls_name, dtype)
         rtol, atol = (RTOL, ATOL) if dtype == torch.float32 else (RTOL64, ATOL64)
         ids = _batch(ROWS_PER_RANK * dp, ref.config.vocab_size)
+        # the copy to parallelize is taken before the reference runs: some models keep non-leaf tensors from a
+        # forward (RecurrentGemma's cached state), which deepcopy refuses
+        par = copy.deepcopy(ref)
         ref_out = ref(input_ids=ids, labels=ids)
         ref_out.loss.backward()
     except Exception as e:  # noqa: BLE001
@@ -211,12 +215,12 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype, pl
     failure = ""
     try:
         mesh = init_mesh(mesh_dims)
-        par = copy.deepcopy(ref)
         par.zero_grad(set_to_none=True)
         rank = mesh.get_local_rank("dp") if dp > 1 else 0
         mine = slice(ROWS_PER_RANK * rank, ROWS_PER_RANK * (rank + 1))
         if plan_source == "auto_plan":
-            plan = auto_plan(par, mesh, example_kwargs={"input_ids": ids[mine], "labels": ids[mine]})
+            plan = auto_plan(par, mesh, sequence_parallel=True,
+                             example_kwargs={"input_ids": ids[mine], "labels": ids[mine]})
         else:
             plan = from_transformers_tp_plan(par, mesh)
         parallelize_module(par, mesh, plan)

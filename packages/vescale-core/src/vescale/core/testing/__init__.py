@@ -105,7 +105,7 @@ def multi_rank(world_sizes: Iterable[int] | int = (2,), *, timeout: float | None
 def imported_vescale_packages(module: str) -> set[str]:
     """The ``vescale.<sub>`` packages loaded by ``import <module>`` in a fresh interpreter.
 
-    Packages use it to prove they import no sibling they do not declare (DESIGN.md: the direction of dependencies).
+    Packages use it to prove they import no sibling they do not declare (see docs/architecture.md).
     """
     import subprocess
     import sys

@@ -1,0 +1,337 @@
+"""The one door to torch's private API: every private torch name vescale needs, each with why no public API serves.
+
+Everything else in the project uses torch's public API or this module; ``tests/test_private_torch_access.py``
+fails on a private torch access anywhere else (its docstring states the rule). When torch moves, this is the one file
+to audit.
+
+Names from ``torch.distributed.tensor`` are imported on first access (``from vescale.core.torch_internals import
+DTensorSpec`` imports torch's module then), so that importing :mod:`vescale.core` never imports the DTensor stack
+and works on a torch built without distributed. Nothing here patches torch; the packages that hook into torch
+install their hooks on first use, idempotently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+# torch ships no public pytree module (2.13 has no ``torch.utils.pytree``); this is the one torch.export,
+# torch.compile and DTensor use, so its specs compare equal to theirs.
+import torch.utils._pytree as pytree
+
+# torch's ops as dispatch modes see them; no public alias of either class exists.
+from torch._ops import HigherOrderOperator, OpOverload
+
+# The only base class for a Python dispatch mode (what ``CommDebugMode`` and ``FakeTensorMode`` subclass); torch
+# has no public one.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "pytree",
+    "OpOverload",
+    "HigherOrderOperator",
+    "TorchDispatchMode",
+    # imported on first access (torch.distributed.tensor and friends)
+    "StridedShard",
+    "DTensorSpec",
+    "TensorMeta",
+    "OpSchema",
+    "OpSpec",
+    "OpStrategy",
+    "StrategyType",
+    "TupleStrategy",
+    "RuntimeSchemaInfo",
+    "register_op_strategy",
+    "generate_redistribute_costs",
+    "expand_to_full_mesh_op_strategy",
+    "view_ops",
+    "Broadcast",
+    "Flatten",
+    "InputDim",
+    "NewDim",
+    "Repeat",
+    "Singleton",
+    "Split",
+    "ExplicitRedistributionContext",
+    "reparametrize_module",
+    # accessors
+    "outside_dispatch_modes",
+    "local_tensor",
+    "dtensor_spec",
+    "replace_dtensor_contents",
+    "current_mesh",
+    "flattened_mesh",
+    "split_factor",
+    "split_tensor",
+    "dtensor_custom_op_handlers",
+    "sharding_propagator",
+    "op_schema",
+    "storage_id",
+    "tensor_version",
+    "compiled_original",
+    "compiled_call",
+    "set_compiled_call",
+    "call_uncompiled",
+    "dynamo_explain",
+    "queue_end_of_backward",
+]
+
+_DT = "torch.distributed.tensor"
+
+# name -> (module, attribute or None for the module itself), imported on first access.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    # Interleaved sharding (vescale's InterleavedShard subclasses it; FSDP2 + TP produce it): torch keeps the class
+    # private while its layout semantics settle.
+    "StridedShard": (f"{_DT}.placement_types", "_StridedShard"),
+    # A DTensor's layout record. The sharding-rule API speaks in specs, and building a DTensor below autograd (inside
+    # a dispatch handler, where ``DTensor.from_local`` would record a graph node) needs one.
+    "DTensorSpec": (f"{_DT}._dtensor_spec", "DTensorSpec"),
+    "TensorMeta": (f"{_DT}._dtensor_spec", "TensorMeta"),
+    # torch's sharding-rule registration API (the one its own op rules use); there is no public way to add a
+    # sharding rule for an ATen op.
+    "OpSchema": (f"{_DT}._op_schema", "OpSchema"),
+    "OpSpec": (f"{_DT}._op_schema", "OpSpec"),
+    "OpStrategy": (f"{_DT}._op_schema", "OpStrategy"),
+    "StrategyType": (f"{_DT}._op_schema", "StrategyType"),
+    "TupleStrategy": (f"{_DT}._op_schema", "TupleStrategy"),
+    "RuntimeSchemaInfo": (f"{_DT}._op_schema", "RuntimeSchemaInfo"),
+    "register_op_strategy": (f"{_DT}._ops.utils", "register_op_strategy"),
+    "generate_redistribute_costs": (f"{_DT}._ops.utils", "generate_redistribute_costs"),
+    "expand_to_full_mesh_op_strategy": (f"{_DT}._ops.utils", "expand_to_full_mesh_op_strategy"),
+    # torch's view-op dim maps (``dim_maps``, ``propagate_shape_and_sharding``) and their dim-spec classes: the
+    # interleaved view rules reuse torch's own description of each view op instead of re-deriving it.
+    "view_ops": (f"{_DT}._ops._view_ops", None),
+    "Broadcast": (f"{_DT}._ops._view_ops", "Broadcast"),
+    "Flatten": (f"{_DT}._ops._view_ops", "Flatten"),
+    "InputDim": (f"{_DT}._ops._view_ops", "InputDim"),
+    "NewDim": (f"{_DT}._ops._view_ops", "NewDim"),
+    "Repeat": (f"{_DT}._ops._view_ops", "Repeat"),
+    "Singleton": (f"{_DT}._ops._view_ops", "Singleton"),
+    "Split": (f"{_DT}._ops._view_ops", "Split"),
+    # The hook torch calls on every implicit redistribution its dispatcher decides on; strict mode wraps it. torch
+    # exposes only a context manager that warns or raises without naming vescale's placements.
+    "ExplicitRedistributionContext": (f"{_DT}._utils", "ExplicitRedistributionContext"),
+    # Swaps a module's tensors for one call without re-entering ``module.__call__``; the public
+    # ``torch.func.functional_call`` re-enters it and would run the module's hooks twice.
+    "reparametrize_module": ("torch.nn.utils.stateless", "_reparametrize_module"),
+}
+
+
+if TYPE_CHECKING:  # what the table above gives, for type checkers and linters
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import (
+        OpSchema,
+        OpSpec,
+        OpStrategy,
+        RuntimeSchemaInfo,
+        StrategyType,
+        TupleStrategy,
+    )
+    from torch.distributed.tensor._ops import _view_ops as view_ops
+    from torch.distributed.tensor._ops._view_ops import Broadcast, Flatten, InputDim, NewDim, Repeat, Singleton, Split
+    from torch.distributed.tensor._ops.utils import (
+        expand_to_full_mesh_op_strategy,
+        generate_redistribute_costs,
+        register_op_strategy,
+    )
+    from torch.distributed.tensor._utils import ExplicitRedistributionContext
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+    from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value  # later accesses skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _is_dtensor(t: Any) -> bool:
+    # No DTensor can exist before torch.distributed.tensor is imported, so this never imports it.
+    module = sys.modules.get(_DT)
+    return module is not None and isinstance(t, module.DTensor)
+
+
+# ------------------------------------------------------------------------------------------------- DTensor internals
+
+
+def local_tensor(t: Any) -> Any:
+    """The tensor a DTensor stores for this rank (``t`` itself when ``t`` is not a DTensor).
+
+    Why not ``DTensor.to_local()``: with grad enabled that returns a fresh differentiable view (an autograd node,
+    which must not be created inside a dispatch handler and which refuses in-place writes to a parameter's shard);
+    sites that write the shard in place, hand it to a collective, or run below autograd need the stored tensor itself.
+    """
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def dtensor_spec(t: Any) -> Any:
+    """A DTensor's ``DTensorSpec`` (mesh, placements, tensor meta, shard order).
+
+    Why: building a DTensor below autograd takes the spec, and the order in which mesh dims shard one tensor dim
+    (``shard_order``) has no public accessor.
+    """
+    return t._spec
+
+
+def replace_dtensor_contents(dst: Any, src: Any) -> None:
+    """Make DTensor ``dst`` hold ``src``'s local tensor and layout, in place (same global shape and values).
+
+    Why: a module that keeps a reference to ``dst`` (a cache buffer) must see the new layout; torch has no public
+    in-place re-layout of a DTensor object.
+    """
+    dst._local_tensor = src._local_tensor
+    dst._spec = src._spec
+
+
+def current_mesh() -> Any:
+    """The mesh of the innermost ``with mesh:`` block (torch's default for a missing ``device_mesh``).
+
+    Why: ``DeviceMesh`` is public as a context manager but torch offers no public getter of the current mesh.
+    """
+    from torch.distributed.device_mesh import _mesh_resources
+
+    return _mesh_resources.get_current_mesh()
+
+
+def flattened_mesh(mesh: Any) -> Any:
+    """A 1-d mesh over all of ``mesh``'s ranks, cached by torch (so its process group is created once).
+
+    Why: ``DeviceMesh._flatten`` is the only way to get one group over an N-d (sub-)mesh without a new
+    ``dist.new_group`` call, which every rank of the world would have to make each time.
+    """
+    return mesh._flatten()
+
+
+def split_factor(placement: Any) -> int:
+    """The split factor of a ``StridedShard`` as an int. Why: the class is private (see ``StridedShard``)."""
+    return placement._split_factor_int()
+
+
+def split_tensor(placement: Any, tensor: Any, num_chunks: int, *, with_padding: bool = True,
+                 contiguous: bool = True) -> tuple[list, list[int]]:
+    """``(pieces, pad sizes)``: ``tensor`` cut in ``num_chunks`` as ``placement`` (``Shard``/``StridedShard``) cuts it.
+
+    Why: the cutting rule DTensor itself applies (``torch.chunk``'s, interleaved for ``StridedShard``) is only
+    available as the placements' private ``_split_tensor``; re-deriving it could drift from torch's.
+    """
+    return placement._split_tensor(tensor, num_chunks, with_padding=with_padding, contiguous=contiguous)
+
+
+def dtensor_custom_op_handlers() -> dict:
+    """torch's table of per-op DTensor handlers (``{OpOverload: handler}``), which loss_parallel uses too.
+
+    Why: torch's only extension point that replaces how one ATen op runs on DTensors; it has no public registry.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def sharding_propagator() -> Any:
+    """torch's DTensor sharding propagator (its strategy table and cache).
+
+    Why: wrapping a torch sharding strategy needs the registered one and its schema info; there is no public reader.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+# --------------------------------------------------------------------------------------- ops, tensors and modules
+
+
+def op_schema(func: Any) -> Any:
+    """The ``FunctionSchema`` of an ATen op overload (arguments, alias info, returns).
+
+    Why: an ``OpOverload`` exposes its schema only as ``_schema``.
+    """
+    return func._schema
+
+
+def storage_id(t: Any) -> int:
+    """An id of ``t``'s storage, equal for every view of it and valid on the meta device.
+
+    Why: ``untyped_storage()`` returns a new Python object per call and ``data_ptr()`` is 0 for every meta tensor;
+    only the storage's C pointer identifies it.
+    """
+    return t.untyped_storage()._cdata
+
+
+def tensor_version(t: Any) -> int:
+    """``t``'s version counter (bumped by every in-place write to it or a view of it; RuntimeError for an inference
+    tensor). Why: torch exposes the counter only as ``_version``."""
+    return t._version
+
+
+def compiled_original(module: Any) -> Any:
+    """The module ``torch.compile(module)`` wrapped (its ``OptimizedModule._orig_mod``), or None if ``module`` is
+    not such a wrapper. Why: ``OptimizedModule`` is private and keeps the original only as ``_orig_mod``."""
+    import torch.nn as nn
+
+    orig = getattr(module, "_orig_mod", None)
+    return orig if isinstance(orig, nn.Module) else None
+
+
+def compiled_call(module: Any) -> Callable | None:
+    """What ``module.compile()`` installed as its compiled call (None before).
+
+    Why: ``nn.Module.compile`` keeps it in ``_compiled_call_impl``; wrapping it (to run code around every compiled
+    call, outside the traced region) has no public hook.
+    """
+    return module._compiled_call_impl
+
+
+def set_compiled_call(module: Any, fn: Callable) -> None:
+    """Replace ``module``'s compiled call with ``fn`` (see :func:`compiled_call`)."""
+    module._compiled_call_impl = fn
+
+
+def call_uncompiled(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``module`` with its hooks but without its compiled call.
+
+    Why: after ``module.compile()`` both ``module(...)`` and the public API go through the compiled call;
+    ``nn.Module._call_impl`` is the eager path it wraps.
+    """
+    import torch.nn as nn
+
+    return nn.Module._call_impl(module, *args, **kwargs)
+
+
+def dynamo_explain(fn: Callable) -> Callable:
+    """``torch._dynamo.explain(fn)``: graph breaks and their reasons. Why: the explanation has no public API."""
+    import torch._dynamo
+
+    return torch._dynamo.explain(fn)
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass ends (call it from inside backward).
+
+    Why: autograd's engine callback queue is private (torch's DDP and FSDP2 use the same one); hooks on tensors
+    fire per gradient, never once at the end.
+    """
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.queue_callback(callback)
+
+
+def outside_dispatch_modes() -> Any:
+    """A context manager that steps out of every active dispatch mode (the fake and proxy modes of a
+    ``torch.compile`` trace), for plain integer bookkeeping on real tensors inside a sharding rule.
+
+    Why: torch has no public way to leave the active modes; sharding rules run inside them while tracing.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()

@@ -1,0 +1,30 @@
+"""The errors :mod:`vescale.parallel` raises, one class per feature, all :class:`~vescale.core.errors.VescaleError`.
+
+Plan errors are :class:`vescale.core.errors.PlanError` (shared by every package that reads plans).
+"""
+
+from __future__ import annotations
+
+from vescale.core.errors import VescaleError
+
+__all__ = ["DDPError", "ZeroError", "Zero3Error", "LossParallelError", "CompileError"]
+
+
+class DDPError(VescaleError, ValueError):
+    """A module, mesh or option cannot be used by :class:`~vescale.parallel.DistributedDataParallel`."""
+
+
+class ZeroError(VescaleError, ValueError):
+    """A :class:`~vescale.parallel.DistributedOptimizer` cannot be built from, or loaded with, what it was given."""
+
+
+class Zero3Error(VescaleError, ValueError):
+    """The mesh or block pattern given to :func:`~vescale.parallel.fully_shard_dp` cannot be used."""
+
+
+class LossParallelError(VescaleError, ValueError):
+    """The logits/target layout does not suit vocab-parallel cross-entropy."""
+
+
+class CompileError(VescaleError, ValueError):
+    """A model cannot be compiled as asked (no blocks found, dropout active in a block, bad arguments)."""

@@ -1,0 +1,150 @@
+"""What ``tools/train.py`` reports: metrics a line a step, a progress bar, the loss curve, an nD timeline of a few
+steps, and the per-rank figures of ``summary.json`` (gathered from every rank on its own device)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RunLog", "TimelineWindow", "gather_per_rank", "state_bytes", "peak_memory_mb", "comm_time"]
+
+
+def gather_per_rank(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's ``values`` (same length on every rank) as a ``[world, len(values)]`` float64 CPU tensor.
+
+    Collective over ``group`` (default: all ranks): one ``all_gather`` of tensors on ``device``, which must be the
+    rank's device (``train.rank_device``), since NCCL refuses CPU tensors. Returned on every rank.
+    """
+    mine = torch.tensor([values], dtype=torch.float64, device=device)
+    per_rank = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(per_rank, mine, group=group)
+    return torch.cat(per_rank).cpu()
+
+
+def state_bytes(modules: list[torch.nn.Module]) -> int:
+    """Bytes of the distinct parameters and buffers of ``modules`` as this rank holds them (DTensors: local shards)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            seen[id(t)] = t.to_local() if isinstance(t, DTensor) else t
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def peak_memory_mb() -> float:
+    """This process's peak memory: CUDA allocations when it uses CUDA, else its peak resident set."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def comm_time(trace: dict) -> tuple[float, float]:
+    """Seconds inside collectives and p2p on rank 0, and the traced wall span, from a Chrome trace."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") == 0]
+    if not events:
+        return 0.0, 0.0
+    comm = sum(e["dur"] for e in events if e.get("cat") in ("collective", "p2p")) / 1e6
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e6
+    return comm, span
+
+
+class TimelineWindow:
+    """Records the nD timeline (``vescale.pipe.Timeline``) of ``count`` steps into ``path``: from five steps after
+    ``start`` (earlier when the run is shorter); nothing when ``count`` is 0. Every rank takes part."""
+
+    def __init__(self, mesh, start: int, steps: int, count: int, path: Path) -> None:
+        self.mesh, self.count, self.path = mesh, count, path
+        self.first = min(start + 5, steps - count) if count else -1
+        self.timeline = None
+        self.comm_s = self.traced_s = 0.0
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            from vescale.pipe.timeline import Timeline
+
+            self.timeline = Timeline(self.mesh).__enter__()
+
+    def after(self, step: int) -> None:
+        if self.timeline is not None and step == self.first + self.count - 1:
+            self.timeline.__exit__(None, None, None)
+            trace = self.timeline.export(self.path)
+            if trace is not None:
+                self.comm_s, self.traced_s = comm_time(trace)
+            self.timeline = None
+
+    @property
+    def comm_share(self) -> float | None:
+        """Share of the traced steps' wall time rank 0 spent in communication (``None`` when nothing was traced)."""
+        return self.comm_s / self.traced_s if self.traced_s else None
+
+
+class RunLog:
+    """Rank 0's record of the run in ``out``: ``metrics.jsonl`` (a line a step; appended to on resume), a one-line
+    progress bar (a line per 1/20 of the run when stdout is not a terminal), then ``loss.png`` and ``summary.json``.
+    On other ranks (``active=False``) it only keeps the records."""
+
+    def __init__(self, out: Path, total: int, start: int, *, active: bool, append: bool, quiet: bool) -> None:
+        self.out, self.total, self.start, self.quiet = out, total, start, quiet or not active
+        self.records: list[dict] = []
+        self.file = None
+        if active:
+            out.mkdir(parents=True, exist_ok=True)
+            self.file = open(out / "metrics.jsonl", "a" if append else "w")  # noqa: SIM115 - closed by finish()
+        self.t0 = time.perf_counter()
+        self.tty = sys.stdout.isatty()
+        self.every = max(1, total // 20)
+
+    def step(self, step: int, record: dict) -> None:
+        """Record step ``step`` (0-based): ``record`` has at least ``loss`` and ``tokens_per_s``."""
+        self.records.append(record)
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.quiet:
+            return
+        left = self.total - step - 1
+        eta = (time.perf_counter() - self.t0) / max(step + 1 - self.start, 1) * left
+        bar = "#" * int(24 * (step + 1) / self.total)
+        line = (f"step {step + 1:>5}/{self.total} [{bar:<24}] loss {record['loss']:7.4f} | "
+                f"{record['tokens_per_s']:8.0f} tok/s | ETA {int(eta) // 60}m{int(eta) % 60:02d}s")
+        if self.tty:
+            print("\r" + line, end="\n" if left == 0 else "", flush=True)
+        elif (step + 1) % self.every == 0 or left == 0 or step == self.start:
+            print(line, flush=True)
+
+    def finish(self, summary: dict, floor: float) -> dict:
+        """Close ``metrics.jsonl``, plot the loss against ``floor`` (the corpus entropy), write ``summary.json``."""
+        self.file.close()
+        if self.records:
+            plot_loss(self.records, self.out / "loss.png", floor)
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def plot_loss(metrics: list[dict], path: Path, floor: float) -> bool:
+    """The training loss per step and the corpus entropy, as a PNG; ``False`` when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("train.py: matplotlib is not installed; skipping loss.png", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="training loss")
+    ax.axhline(floor, color="gray", linestyle="--", label=f"corpus entropy {floor:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
