@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--mesh", action="append", help="mesh spec, e.g. tp=2 or dp=2,tp=2 (repeatable)")
     parser.add_argument("--only", help="comma-separated architectures (transformers model types)")
     parser.add_argument("--plans", default="auto_plan,transformers",
-                        help="plan sources: auto_plan, transformers (the model's own TP plan, where it has one)")
+                        help="plan sources: auto_plan (its defaults), auto_plan+sp (sequence_parallel=True), "
+                             "transformers (the model's own TP plan, where it has one)")
     parser.add_argument("--json", default="zoo.json", help="where to write the results as JSON")
     parser.add_argument("--no-write", action="store_true", help="do not rewrite the table in the plan README")
     parser.add_argument("--from-json", help="write the table of an earlier run's JSON instead of running")

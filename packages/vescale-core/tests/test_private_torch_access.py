@@ -109,7 +109,9 @@ def test_no_private_torch_access_outside_the_compat_module():
 
 def test_the_compat_module_exists_where_the_rule_says():
     assert COMPAT_MODULE.is_file()
-    assert Path(torch_internals.__file__).resolve() == COMPAT_MODULE.resolve()
+    # the module imported is the one the scan exempts (installed as a copy in an isolated venv, editable in a dev one)
+    assert torch_internals.__name__ == "vescale.core.torch_internals"
+    assert Path(torch_internals.__file__).read_bytes() == COMPAT_MODULE.read_bytes()
 
 
 def test_every_compat_name_resolves_in_this_torch():

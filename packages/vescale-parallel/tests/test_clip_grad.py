@@ -90,3 +90,25 @@ def test_clip_plain_tensors_like_torch():
     a[0].grad[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         clip_grad_norm_(a, 1.0, error_if_nonfinite=True)
+
+
+@multi_rank(world_sizes=[2])
+def test_a_stage_without_gradients_joins_the_pp_reduction(world_size):
+    """A pipeline stage whose parameters got no gradient still joins the pp all-reduce (on the device its backend
+    needs: CPU on gloo, the current GPU on NCCL) and gets the whole model's norm; its parameters are left alone."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.parallel import clip_grad_norm_
+
+    rank = dist.get_rank()
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([12.0])]
+    p = torch.nn.Parameter(torch.zeros(2 if rank == 0 else 1))
+    if rank == 0:
+        p.grad = grads[0].clone()
+    norm = clip_grad_norm_([p], max_norm=1.0, pp_group=dist.group.WORLD)
+    assert torch.allclose(norm, torch.tensor(5.0)), norm  # rank 1 contributes nothing: sqrt(3^2 + 4^2)
+    if rank == 0:
+        assert torch.allclose(p.grad, grads[0] / (5.0 + 1e-6))
+    else:
+        assert p.grad is None

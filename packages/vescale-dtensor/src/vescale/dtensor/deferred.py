@@ -361,13 +361,13 @@ def _local_value(rep: _Replayer, node: _Storage, mesh: DeviceMesh, placements: t
     return from_local(local_slice(full, mesh, placements), mesh, placements, shape=node.shape), False
 
 
-def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
+def materialize(module: nn.Module, mesh: DeviceMesh | None = None,
                 placements: Mapping[str, Sequence[Placement]] | None = None, *,
                 device: torch.device | str | None = None, report: dict | None = None,
                 replicate_over: DeviceMesh | None = None) -> nn.Module:
     """Replace the meta parameters and buffers of a :func:`deferred_init` module by real tensors, in place.
 
-    Without ``device_mesh``: full plain tensors, the single-device reference. With ``device_mesh``: DTensors whose
+    Without ``mesh``: full plain tensors, the single-device reference. With ``mesh``: DTensors whose
     placements come from ``placements`` (FQN -> one placement per mesh dim, as
     ``named_parameters``/``named_buffers`` spell FQNs; parameters not in it are replicated DTensors, buffers not in
     it stay plain whole tensors, as model code that mixes them with plain tensors expects), each rank computing only
@@ -379,7 +379,7 @@ def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
     Raises :class:`DeferredInitError` naming the FQN for unknown FQNs, conflicting tied placements, ``Partial``
     placements, and placements that do not fit the shape or mesh (all before any work).
 
-    With ``replicate_over`` (a 1-D mesh, instead of ``device_mesh``): full plain tensors on every rank of it, as
+    With ``replicate_over`` (a 1-D mesh, instead of ``mesh``): full plain tensors on every rank of it, as
     without a mesh, but each rank replays only its ``Shard(0)`` slice of every parameter whose first dim divides by
     the mesh size and one all-gather per such parameter assembles the whole (the rest is computed whole): data-
     parallel replicas share the cost of the init. Tied parameters stay tied.
@@ -389,14 +389,14 @@ def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
     if storages is None:
         raise DeferredInitError(f"materialize: {type(module).__name__} was not built by deferred_init")
     if replicate_over is not None:
-        if device_mesh is not None or placements:
-            raise DeferredInitError("materialize: give replicate_over or device_mesh/placements, not both")
+        if mesh is not None or placements:
+            raise DeferredInitError("materialize: give replicate_over or mesh/placements, not both")
         return _materialize_replicated(module, replicate_over, device, report)
     placements = dict(placements or {})
-    if placements and device_mesh is None:
-        raise DeferredInitError("materialize: placements given without a device_mesh")
+    if placements and mesh is None:
+        raise DeferredInitError("materialize: placements given without a mesh")
     device = torch.device(device) if device is not None else torch.device(
-        device_mesh.device_type if device_mesh is not None else "cpu")
+        mesh.device_type if mesh is not None else "cpu")
 
     slots: list[tuple[str, nn.Module, str, bool, torch.Tensor]] = []
     for mod_name, mod in module.named_modules(remove_duplicate=False):
@@ -427,16 +427,16 @@ def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
         chosen = {tuple(placements[f]) for f in fqns if f in placements}
         if len(chosen) > 1:
             raise DeferredInitError(f"materialize: tied tensors {fqns} were given different placements {chosen}")
-        if device_mesh is None or (not chosen and not any(s[3] for s in group)):
+        if mesh is None or (not chosen and not any(s[3] for s in group)):
             plan[sid] = None  # no mesh, or a buffer left out of the plan: a plain whole tensor
             continue
-        pl = chosen.pop() if chosen else (Replicate(),) * device_mesh.ndim
+        pl = chosen.pop() if chosen else (Replicate(),) * mesh.ndim
         if any(isinstance(p, Partial) for p in pl):
             raise DeferredInitError(f"materialize: {fqns[0]} cannot be materialised as Partial {pl}")
         from vescale.dtensor.layout import validate_placements
 
         try:
-            plan[sid] = validate_placements(node.shape, device_mesh, pl, what=f"parameter {fqns[0]}")
+            plan[sid] = validate_placements(node.shape, mesh, pl, what=f"parameter {fqns[0]}")
         except Exception as e:
             raise DeferredInitError(str(e)) from e
 
@@ -448,7 +448,7 @@ def materialize(module: nn.Module, device_mesh: DeviceMesh | None = None,
         if pl is None:
             value, local_only = rep.full(node), False
         else:
-            value, local_only = _local_value(rep, node, device_mesh, pl)
+            value, local_only = _local_value(rep, node, mesh, pl)
         (sharded if local_only else whole).extend(s[0] for s in group)
         for _fqn, mod, name, is_param, old in group:
             if is_param:

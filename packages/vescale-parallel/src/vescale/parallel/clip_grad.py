@@ -75,8 +75,9 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
     inf = math.isinf(norm_type)
     parts: dict[tuple[str, ...], list[torch.Tensor]] = {}
     by_name: dict[str, dist.ProcessGroup] = {}
-    device = None
+    device = param_device = None
     for p in parameters:
+        param_device = param_device or p.device
         g, groups = _grad_piece(p)
         if g is None:
             continue
@@ -98,7 +99,9 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
         else:
             val = torch.linalg.vector_norm(g, norm_type) ** norm_type
         parts.setdefault(tuple(sorted(names)), []).append(val)
-    device = device or torch.device("cpu")
+    # a rank holding no gradient (a pipeline stage whose parameters got none) still joins the collectives below, on
+    # the device its backend needs (NCCL refuses CPU tensors)
+    device = device or param_device or _group_device(pp_group)
     keys = sorted(parts)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     if keys:
@@ -114,6 +117,13 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, op=op, group=pp_group)
     return total if inf else total ** (1.0 / norm_type)
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device of tensors a collective on ``group`` takes: the current CUDA device for NCCL, else the CPU."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _ranks(group: dist.ProcessGroup) -> list[int]:

@@ -53,7 +53,7 @@ def _divisors(n: int) -> list[int]:
 def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: float | None = None,
                        batch_size: int = 8, seq_len: int = 2048, fixed: dict[str, int] | None = None,
                        max_tp: int = 8, param_bytes: int = 4, act_bytes: int = 4,
-                       hw: HardwareModel | None = None, sequence_parallel: bool = True,
+                       hw: HardwareModel | None = None, sequence_parallel: bool = False,
                        example_args: tuple | None = None, example_kwargs: dict | None = None,
                        trace: ModelTrace | None = None, zero_stages: tuple[int, ...] = (0, 1, 2)) -> ParallelReport:
     """Estimate every ``pp x dp x tp = world_size`` (``fixed`` pins some of them) and ZeRO stage in ``zero_stages``;
@@ -179,7 +179,7 @@ def _microbatch_example(example_args: tuple | None, example_kwargs: dict | None,
 
 def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=None,
                      memory_budget_gb: float | None = None, batch_size: int = 8, seq_len: int = 2048,
-                     apply: bool = True, sequence_parallel: bool = True, example_args: tuple | None = None,
+                     apply: bool = True, sequence_parallel: bool = False, example_args: tuple | None = None,
                      example_kwargs: dict | None = None, fixed: dict[str, int] | None = None,
                      zero_stages: tuple[int, ...] = (0, 1, 2), schedule: str = "1f1b",
                      num_microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,

@@ -76,7 +76,7 @@ def _shape_facts(trace: ModelTrace, tp_sharded: set[str]) -> tuple[float, float,
 def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, tp_sharded: set[str],
              pairs: int, layers: int, batch_size: int, seq_len: int, microbatches: int | None = None,
              param_bytes: int = 4, act_bytes: int = 4, memory_budget_gb: float | None = None,
-             hw: HardwareModel | None = None, sequence_parallel: bool = True,
+             hw: HardwareModel | None = None, sequence_parallel: bool = False,
              vocab: int = 0) -> CostEstimate:
     """Estimate one step of ``trace``'s model (see the module docstring for every term).
 

@@ -188,6 +188,13 @@ class Planner:
             self.set_param(e.param, Replicate(), "replicated", "embedding indexed by values computed inside the "
                            "model (e.g. positions): replicated, no reduction needed")
             return
+        if self.innermost_output(f"{e.param}@embedding", self.stream_ndim) is None:
+            # the lookup is transformed (a norm, a scale by a tensor) before any module returns it: a vocab-parallel
+            # lookup's partial sums would go through it unreduced (Inkling's embedding normalises inside forward)
+            self.set_param(e.param, Replicate(), "replicated", "no module returns the lookup itself (it is "
+                           "transformed inside the module that calls it): vocab-parallel partial sums could not be "
+                           "reduced first; replicated")
+            return
         vocab = self.t.shapes[e.param][0]
         if vocab % self.n:
             self.set_param(e.param, Replicate(), "replicated", f"vocabulary {vocab} does not divide by "

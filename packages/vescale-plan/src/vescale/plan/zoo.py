@@ -7,8 +7,10 @@ picked list. Of those, encoder families (also in the masked-LM mapping), encoder
 small config (its defaults, with the sizes shrunk where the config has them) and run the way its users call it: its
 default attention implementation, ``use_cache`` as the config says, ``input_ids`` with ``labels``, so the model's own
 loss. The single-device reference is the same call on the unparallelized model on each rank. The parallel run is
-``auto_plan`` (with sequence parallelism) + ``parallelize_module`` on the given mesh, each data-parallel rank passing
-its own rows.
+a plan + ``parallelize_module`` on the given mesh, each data-parallel rank passing its own rows. Plan sources:
+``auto_plan`` (called as users call it: its defaults, so no sequence parallelism), ``auto_plan+sp``
+(``sequence_parallel=True``) and ``transformers`` (the model's own ``base_model_tp_plan`` via
+:func:`~vescale.plan.hf_tp_plan.from_transformers_tp_plan`, where it has one).
 
 Each case ends in one of:
 
@@ -38,6 +40,8 @@ RTOL64, ATOL64 = 1e-6, 1e-6
 SEQ, ROWS_PER_RANK = 8, 2
 POOL_CASES = 24  # cases run by one pool of ranks before it is restarted
 MAX_PARAMETERS = 20_000_000  # a small config that stays larger than this is skipped (memory of 2 x 4 ranks)
+#: The auto_plan plan sources and the keyword arguments each passes (``auto_plan`` alone: its defaults).
+AUTO_PLAN_SOURCES: dict[str, dict[str, Any]] = {"auto_plan": {}, "auto_plan+sp": {"sequence_parallel": True}}
 
 # Sizes every small config gets where the config has the field (the model's defaults otherwise).
 _SIZES: dict[str, Any] = {
@@ -218,9 +222,9 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype, pl
         par.zero_grad(set_to_none=True)
         rank = mesh.get_local_rank("dp") if dp > 1 else 0
         mine = slice(ROWS_PER_RANK * rank, ROWS_PER_RANK * (rank + 1))
-        if plan_source == "auto_plan":
-            plan = auto_plan(par, mesh, sequence_parallel=True,
-                             example_kwargs={"input_ids": ids[mine], "labels": ids[mine]})
+        if plan_source in AUTO_PLAN_SOURCES:
+            plan = auto_plan(par, mesh, example_kwargs={"input_ids": ids[mine], "labels": ids[mine]},
+                             **AUTO_PLAN_SOURCES[plan_source])
         else:
             plan = from_transformers_tp_plan(par, mesh)
         parallelize_module(par, mesh, plan)
@@ -286,8 +290,8 @@ def has_transformers_tp_plan(arch: str) -> bool:
 def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = None, *,
             plans: tuple[str, ...] = ("auto_plan",), timeout: float = 300) -> list[ZooResult]:
     """Sweep ``archs`` (default: every decoder-only architecture) on pooled CPU ranks of ``mesh_dims``, with each
-    plan source of ``plans`` (``"auto_plan"``; ``"transformers"``: the model's own TP plan, where it has one), one
-    call per case: a rank that dies or hangs (``timeout`` seconds) costs that case an ``error``, and the pool is
+    plan source of ``plans`` (``"auto_plan"``, ``"auto_plan+sp"``; ``"transformers"``: the model's own TP plan, where it
+    has one; see the module docstring), one call per case: a rank that dies or hangs (``timeout`` seconds) costs that case an ``error``, and the pool is
     rebuilt for the next one."""
     import math
 
@@ -299,7 +303,7 @@ def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = Non
     mesh_name = " x ".join(f"{k}{v}" for k, v in mesh_dims.items())
     results = []
     cases = [(arch, cls_name, plan) for arch, cls_name in archs for plan in plans
-             if plan == "auto_plan" or has_transformers_tp_plan(arch)]
+             if plan in AUTO_PLAN_SOURCES or has_transformers_tp_plan(arch)]
     for done, (arch, cls_name, plan) in enumerate(cases):
         if done and done % POOL_CASES == 0:
             shutdown_pools()  # each architecture imports its own transformers modules: fresh ranks bound the memory
