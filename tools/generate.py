@@ -33,7 +33,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -188,7 +188,7 @@ def load_sharded(src: str, mesh, plan: str, dtype: torch.dtype):
     from vescale.parallel import PLANS, parallelize_module
 
     config = tf.AutoConfig.from_pretrained(src)
-    model = deferred_init(tf.AutoModelForCausalLM.from_config, config, torch_dtype=dtype)
+    model = deferred_init(tf.AutoModelForCausalLM.from_config, config, dtype=dtype)
     if plan == "hand" and config.model_type in PLANS:
         layout = PLANS[config.model_type](mesh)
     else:
@@ -274,7 +274,7 @@ def generate(cfg: GenerateConfig) -> dict:
     steps = len(stream.times) - 1
     prefill_s = stream.times[1] - stream.times[0] if steps >= 1 else float("nan")
     decode_s = stream.times[-1] - stream.times[1] if steps >= 2 else float("nan")
-    kv = cache_bytes(out.past_key_values)
+    kv = cache_bytes(out.cache)
     per_rank = gather_per_rank([peak_memory_mb(), kv, state_bytes([model]), prefill_s, decode_s, steps, load_s],
                                torch.device("cpu"))
     completions = [None] * dist.get_world_size()
@@ -289,6 +289,9 @@ def generate(cfg: GenerateConfig) -> dict:
         "model": cfg.model, "model_type": config.model_type, "mesh": cfg.dims, "prompts": ids.shape[0],
         "max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample, "seed": cfg.seed,
         "static_cache": cfg.static_cache, "tokens": tokens, "texts": texts,
+        # not the rows of one device's whole-batch run: said in the output, never silently different
+        "sampling_stream": ("one seeded stream per dp group: each group's tokens are one device's generate() of that "
+                            "group's prompts") if cfg.do_sample and dp > 1 else None,
         "load_s": round(float(per_rank[:, 6].max()), 3),
         "prefill_s": round(float(per_rank[:, 3].max()), 4),
         # every dp group decodes its rows in parallel: tokens/s of the whole mesh

@@ -110,7 +110,7 @@ def test_materialize_errors_name_the_fqn():
     with pytest.raises(DeferredInitError, match="not built by deferred_init"):
         materialize(nn.Linear(2, 2))
     m = deferred_init(nn.Linear, 4, 3)
-    with pytest.raises(DeferredInitError, match="without a device_mesh"):
+    with pytest.raises(DeferredInitError, match="without a mesh"):
         materialize(m, placements={"weight": ()})
 
 

@@ -277,6 +277,10 @@ def _convert(x: Any, mesh, placements, *, where: str) -> Any:
         return _Redistribute.apply(x, tuple(placements))
     if isinstance(x, torch.Tensor):
         return DTensor.from_local(x, mesh, placements, run_check=False)
+    if isinstance(x, dict) and all(isinstance(v, torch.Tensor) or v is None for v in x.values()):
+        # one entry per kind of layer (HF generate() with a static cache passes attention_mask as
+        # {"full_attention": mask, "sliding_attention": mask}): each is laid out as the plan says
+        return {k: _convert(v, mesh, placements, where=f"{where}[{k!r}]") for k, v in x.items()}
     raise PlanError(f"{where} is a {type(x).__name__}, not a tensor, but the plan gives it placements "
                     f"{format_placements(placements)}")
 
