@@ -22,10 +22,23 @@ MESHES = {2: {"tp": 2}, 4: {"dp": 2, "tp": 2}}
 PAD = 0
 
 
-def _prompts(rows: int):
-    from test_hf_default_calls import _batch
+def _sibling(name: str):
+    """A test module of this folder (the suite runs with ``--import-mode=importlib``: the folder is not on
+    ``sys.path``, here or in the rank processes)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
 
-    ids, mask, _ = _batch(rows)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _prompts(rows: int):
+    ids, mask, _ = _sibling("test_hf_default_calls")._batch(rows)
     return ids[:, :5].masked_fill(mask[:, :5] == 0, PAD), mask[:, :5]
 
 
@@ -47,7 +60,6 @@ def test_generate_matches_single_device(world_size, kind):
 
     import torch
     import torch.distributed as dist
-    from test_tp_hf import _build
 
     from vescale.core.mesh import init_mesh, sub_mesh
     from vescale.parallel import PLANS, parallelize_module
@@ -56,7 +68,7 @@ def test_generate_matches_single_device(world_size, kind):
     mesh = init_mesh(mesh_dims)
     dp, tp = mesh_dims.get("dp", 1), mesh_dims["tp"]
     torch.manual_seed(0)
-    ref = _build(kind, 0.0, "sdpa").eval()
+    ref = _sibling("test_tp_hf")._build(kind, 0.0, "sdpa").eval()
     par = parallelize_module(copy.deepcopy(ref), mesh, PLANS[kind](mesh))
     rank = mesh.get_local_rank("dp") if dp > 1 else 0
     prompts, mask = _prompts(2 * dp)

@@ -20,7 +20,7 @@ from vescale.dtensor.errors import PlacementError
 from vescale.dtensor.placements import RaggedShard
 
 __all__ = ["validate_placements", "local_dim_indices", "global_flat_index", "local_shape", "local_slice", "Chunk",
-           "local_chunks", "contiguous_stride", "smallest_shard"]
+           "local_chunks", "contiguous_stride", "smallest_shard", "relaid_as_declared"]
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -30,6 +30,28 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(int(n), 1)
     return tuple(reversed(stride))
+
+
+def relaid_as_declared(x):
+    """``x`` (a DTensor) with its local tensor laid out in memory in the order its declared (global) strides give:
+    ``x`` itself when they agree, else a DTensor over a re-laid copy (same values; differentiable).
+
+    DTensor derives an output's strides from the op's meta kernel, which for some kernels disagrees with what the
+    kernel returns (CPU attention of a transposed query; an elementwise backward of a transposed gradient). The
+    DTensor then declares one memory order and holds another, and a local ``view`` that its declared strides allow
+    fails. Anything that is not a DTensor is returned as it is.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):
+        return x
+    local = x.to_local()
+    order = sorted(range(x.ndim), key=lambda d: (-x.stride(d), d))  # outermost first, as declared
+    if [local.stride(d) for d in order] == sorted((local.stride(d) for d in order), reverse=True):
+        return x
+    inverse = sorted(range(x.ndim), key=order.__getitem__)
+    relaid = local.permute(order).contiguous().permute(inverse)
+    return DTensor.from_local(relaid, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def smallest_shard(size: int, parts: int) -> int:

@@ -43,7 +43,7 @@ from vescale.core.torch_internals import (
     expand_to_full_mesh_op_strategy,
     register_op_strategy,
 )
-from vescale.dtensor.layout import smallest_shard
+from vescale.dtensor.layout import relaid_as_declared, smallest_shard
 
 __all__ = ["ATTENTION_DROPOUT_ERROR", "install"]
 
@@ -166,16 +166,6 @@ def _grouped_mm_on_replicated(op_call, args: tuple, kwargs: dict):
     return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _relaid_as_declared(x: DTensor) -> DTensor:
-    """``x`` with its local tensor copied into the memory order its declared (global) strides give."""
-    local = torch_internals.local_tensor(x)
-    order = sorted(range(x.ndim), key=lambda d: (-x.stride(d), d))  # outermost first, as declared
-    inverse = sorted(range(x.ndim), key=order.__getitem__)
-    relaid = local.permute(order).contiguous().permute(inverse)
-    return DTensor.from_local(relaid, x.device_mesh, x.placements, run_check=False, shape=x.shape,
-                              stride=x.stride())
-
-
 def _view_of_relaid(op_call, args: tuple, kwargs: dict):
     """``aten.view`` on a DTensor, retried on a re-laid local tensor when the local view fails.
 
@@ -193,7 +183,7 @@ def _view_of_relaid(op_call, args: tuple, kwargs: dict):
     except RuntimeError as e:
         if "view size is not compatible" not in str(e) or not isinstance(args[0], DTensor):
             raise
-        return op_call(_relaid_as_declared(args[0]), *args[1:], **kwargs)
+        return op_call(relaid_as_declared(args[0]), *args[1:], **kwargs)
     finally:
         handlers[op_call] = _view_of_relaid
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vescale.core import torch_internals
+from vescale.dtensor.layout import relaid_as_declared
 
 __all__ = ["CORRECTED_FUNCTIONS", "correct_call", "mark_unwritten"]
 
@@ -173,27 +174,6 @@ def _mean_over_sharded_target(func, args: tuple, kwargs: dict) -> Any:
     return total / denominator
 
 
-def _local_layout_as_declared(out: Any) -> Any:
-    """``out`` with its local tensor laid out in memory as the DTensor's strides declare.
-
-    DTensor derives an output's strides from the op's meta kernel. For CPU attention the meta kernel follows the
-    query's memory order while the real kernel returns a contiguous tensor, so a DTensor attention output computed
-    from a transposed query declares one layout and holds another; a later ``.transpose(1, 2).contiguous()`` is then
-    a no-op on the DTensor and the local ``view`` after it fails. Re-laying the local tensor out (a copy, only when
-    the two disagree) keeps them consistent; values and autograd are unchanged.
-    """
-    if not isinstance(out, DTensor):
-        return out
-    local = out.to_local()
-    order = sorted(range(out.ndim), key=lambda d: (-out.stride(d), d))  # outermost first, as declared
-    if [local.stride(d) for d in order] == sorted((local.stride(d) for d in order), reverse=True):
-        return out
-    inverse = sorted(range(out.ndim), key=order.__getitem__)
-    relaid = local.permute(order).contiguous().permute(inverse)
-    return DTensor.from_local(relaid, out.device_mesh, out.placements, run_check=False, shape=out.shape,
-                              stride=out.stride())
-
-
 def _index_as_dtensors(args: tuple) -> tuple:
     """``dtensor[key]`` arguments with list and plain-tensor indices made replicated DTensors on its mesh.
 
@@ -238,7 +218,7 @@ def correct_call(func, args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dic
         args = _index_as_dtensors(args)
     elif func is F.scaled_dot_product_attention:
         out = func(*args, **_mask_like_query(args, kwargs))
-        return True, _local_layout_as_declared(out), args, kwargs
+        return True, relaid_as_declared(out), args, kwargs
     elif func in _LOSSES:
         out = _mean_over_sharded_target(func, args, kwargs)
         if out is not None:
