@@ -1,5 +1,6 @@
-"""The main job over the mesh matrix: loss curves equal the single-device run; resume on another mesh continues it;
-deferred init gives every mesh bitwise the single-device init and materialises only each rank's part.
+"""The main job over the mesh matrix: loss curves and every parameter's first-step gradient equal the single-device
+run (also with --grad-accum); resume on another mesh continues it; deferred init gives every mesh bitwise the
+single-device init and materialises only each rank's part.
 
 ``tools/train.py`` is run in-process on pooled ranks (its ``train`` function, not a subprocess), on the tiny model,
 for a few steps. The reference is the same job on one rank. fp32 throughout; the parallel runs reduce in a different
@@ -44,24 +45,88 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _grads(out: Path) -> dict[str, torch.Tensor]:
+    """The first step's gradients a run dumped (``--grad-dump``, see ``_run``), by parameter FQN."""
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "grads.safetensors"))
+
+
+# A gradient element is a sum over the batch's 8 x 16 = 128 token positions (and, inside the matmuls, over widths of
+# up to 4 x d_model), which a parallel run adds up in another order (dp halves, microbatches, tp partial sums) after
+# a forward that itself differs by reassociation in every layer. fp32 rounds each addition by at most u = 2**-24 =
+# 6e-8 relative, so n = 128 reordered terms stay within about n * u = 7.6e-6 of the largest magnitude involved:
+# the bound is 1e-5 x the parameter's largest gradient element. Measured on every cell: at most 7e-7 of it.
+GRAD_TOL = 1e-5
+
+
+def _assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """Every parameter's whole first-step gradient equals one device's within ``GRAD_TOL`` x its largest element.
+
+    Why this catches a constant scale that the loss curves hide (AdamW divides the gradient by its own magnitude, and
+    clipping rescales it anyway): a gradient ``c x g`` (a dp sum instead of a mean: c = dp; a missing 1/M over M
+    microbatches or grad-accum steps: c = M; a partial reduced twice: c = 2; a mean taken twice: c = 1/dp) misses
+    at its largest element by ``|c - 1| x max|g| >= max|g| / 2``, 50000 times the bound. A per-parameter check also
+    catches a scale on one parameter only (e.g. a replicated norm weight whose tp partial sums were not reduced).
+    """
+    assert set(got) == set(want), f"{what}: FQNs differ: {sorted(set(got) ^ set(want))}"
+    for name, ref in want.items():
+        largest = ref.abs().max()
+        err, bound = (got[name] - ref).abs().max(), GRAD_TOL * largest
+        assert err <= bound, (f"{what}: gradient of {name} is off by {err:.3g} (bound {bound:.3g} = {GRAD_TOL} x its "
+                              f"largest element {largest:.3g}); norm ratio to one device "
+                              f"{float(got[name].norm() / ref.norm()):.6g}")
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-device run: its loss per step and its first step's gradients."""
     from vescale.core.testing import run_on_ranks
 
     out = tmp_path_factory.mktemp("ref")
-    run_on_ranks(train.train, 1, _cfg("dp=1", out))
-    return _losses(out)
+    run_on_ranks(train.train, 1, _cfg("dp=1", out, grad_dump=str(out / "grads.safetensors")))
+    return _losses(out), _grads(out)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> list[float]:
+    return reference_run[0]
+
+
+def _check_run(world_size: int, mesh: str, reference_run, tmp_path: Path, ranks, **kw) -> None:
+    """Train on ``mesh`` (``kw``: more settings); its first step's gradients and loss curve equal one device's."""
+    ranks(train.train, world_size, _cfg(mesh, tmp_path, grad_dump=str(tmp_path / "grads.safetensors"), **kw))
+    what = f"{mesh} {kw}" if kw else mesh
+    _assert_grads_match(_grads(tmp_path), reference_run[1], what)
+    got, reference = _losses(tmp_path), reference_run[0]
+    assert len(got) == STEPS
+    assert got[-1] < got[0]  # it learns
+    # fp32, different reduction order than one device: rtol 1e-4 per step.
+    assert got == pytest.approx(reference, rel=1e-4), f"{what}: {got} vs single device {reference}"
 
 
 @pytest.mark.parametrize("world_size,mesh", MESHES, ids=[f"ws{w}-{m.replace(',', 'x').replace('=', '')}"
                                                           for w, m in MESHES])
-def test_loss_curve_matches_single_device(world_size, mesh, reference, tmp_path, ranks):
-    ranks(train.train, world_size, _cfg(mesh, tmp_path))
-    got = _losses(tmp_path)
-    assert len(got) == STEPS
-    assert got[-1] < got[0]  # it learns
-    # fp32, different reduction order than one device: rtol 1e-4 per step.
-    assert got == pytest.approx(reference, rel=1e-4), f"{mesh}: {got} vs single device {reference}"
+def test_loss_curve_matches_single_device(world_size, mesh, reference_run, tmp_path, ranks):
+    _check_run(world_size, mesh, reference_run, tmp_path, ranks)
+
+
+# Gradient accumulation: the same global batch of 8 in 2 micro-steps, dp gradients reduced once, against the
+# one-device run without accumulation. ZeRO-2 on dp x tp also covers DTensor gradients accumulated in the buffer.
+ACCUM = [(2, "dp=2", {"grad_accum": 2}), (4, "dp=2,tp=2", {"grad_accum": 2, "zero": 2})]
+
+
+@pytest.mark.parametrize("world_size,mesh,kw", ACCUM, ids=[f"ws{w}-{m.replace(',', 'x').replace('=', '')}-"
+                                                          + "-".join(f"{k}{v}" for k, v in kw.items())
+                                                          for w, m, kw in ACCUM])
+def test_grad_accum_matches_single_device(world_size, mesh, kw, reference_run, tmp_path, ranks):
+    _check_run(world_size, mesh, reference_run, tmp_path, ranks, **kw)
+
+
+def test_activation_checkpointing_matches_single_device(reference_run, tmp_path, ranks):
+    """--activation-checkpointing selective on tp=2 (matmul outputs saved, the rest recomputed in backward under
+    the root's factory capture) against the one-device run without checkpointing."""
+    _check_run(2, "tp=2", reference_run, tmp_path, ranks, activation_checkpointing="selective")
 
 
 def _init_state(cfg: train.TrainConfig) -> tuple[dict, int]:
@@ -147,6 +212,8 @@ def test_resume_on_another_mesh_continues_the_curve(ws_a, mesh_a, ws_b, mesh_b, 
     (["--mesh", "tp=3"], "vocab_size=512 is not divisible by tp=3"),
     (["--mesh", "dp=3"], "--batch-size 8 is not divisible by dp=3"),
     (["--mesh", "pp=2", "--zero", "1"], "--zero with pp > 1 is not supported"),
+    (["--mesh", "dp=2", "--grad-accum", "3"], "--batch-size 8 is not divisible by dp=2 x --grad-accum 3"),
+    (["--mesh", "pp=2", "--grad-accum", "2"], "use --microbatches 8 instead"),
     (["--mesh", "tp=2", "--seq-len", "999"], "exceeds the model's max_seq_len=256"),
 ])
 def test_a_mesh_that_does_not_fit_is_refused_before_any_rank_starts(argv, reason, capsys):

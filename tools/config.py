@@ -31,8 +31,10 @@ class TrainConfig:
     zero: int = 0
     schedule: str = "1f1b"
     microbatches: int = 0  # 0: 2 x pp
+    grad_accum: int = 1  # micro-steps per optimizer step over slices of the batch; dp gradients synced on the last
     sequence_parallel: bool = False
     compile: bool = False  # torch.compile the blocks (vescale.parallel.compile_parallel) after parallelization
+    activation_checkpointing: str = "none"  # none | full | selective (vescale.parallel.checkpoint_activations)
     init: str = "deferred"  # deferred: each rank materialises only what it holds; eager: every rank builds it all
     seed: int = 1234
     out: str = "runs/latest"
@@ -40,6 +42,10 @@ class TrainConfig:
     resume: str | None = None
     trace_steps: int = 3
     quiet: bool = False
+    grad_dump: str | None = None  # file: the first step's whole gradients by FQN (safetensors, rank 0 writes)
+    collective_timeout: float | None = None  # seconds; None: $VESCALE_COLLECTIVE_TIMEOUT, else 300
+    collective_ring: int = 0  # last collectives each rank records for the hang diagnosis (0: none, use torch's
+    # flight recorder: no call sites, but no per-op cost)
     dims: dict = field(default_factory=dict)
 
 
@@ -48,6 +54,15 @@ def check_fits(cfg: TrainConfig, spec: models.ModelSpec, pp: int, dp: int, tp: i
     problems = []
     if cfg.batch_size % dp:
         problems.append(f"--batch-size {cfg.batch_size} is not divisible by dp={dp}")
+    if cfg.grad_accum < 1:
+        problems.append(f"--grad-accum {cfg.grad_accum} must be at least 1")
+    elif cfg.grad_accum > 1 and pp > 1:
+        problems.append(f"--grad-accum with pp > 1 is not supported: the pipeline already accumulates over its "
+                        f"microbatches with one dp reduction per step; use --microbatches "
+                        f"{(cfg.microbatches or 2 * pp) * cfg.grad_accum} instead")
+    elif cfg.batch_size % (dp * cfg.grad_accum):
+        problems.append(f"--batch-size {cfg.batch_size} is not divisible by dp={dp} x --grad-accum {cfg.grad_accum} "
+                        f"(each micro-step takes an equal slice of every dp rank's rows)")
     if pp > 1 and (cfg.batch_size // max(dp, 1)) % (cfg.microbatches or 2 * pp):
         problems.append(f"the per-dp-rank batch {cfg.batch_size // dp} is not divisible by "
                         f"{cfg.microbatches or 2 * pp} microbatches")
@@ -83,8 +98,15 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--zero", type=int, default=d.zero, choices=[0, 1, 2], help="ZeRO stage over dp")
     p.add_argument("--schedule", default=d.schedule, help="pipeline schedule (pp > 1)")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="per step (pp > 1); 0: 2 x pp")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                   help="micro-steps per optimizer step, each over 1/N of the batch, dp gradients reduced once\n"
+                        "at the last (the step equals one over the whole batch; pp > 1: use --microbatches)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor)")
+    p.add_argument("--activation-checkpointing", default=d.activation_checkpointing,
+                   choices=["none", "full", "selective"],
+                   help="recompute each block's activations in backward: full, or selective (matmul outputs\n"
+                        "saved); dropout masks replay bitwise (vescale.parallel.checkpoint_activations)")
     p.add_argument("--init", default=d.init, choices=INITS,
                    help="deferred: meta build, each rank materialises only its shards/stage (vescale counter RNG);\n"
                         "eager: every rank builds the whole model from torch's RNG, then shards it")
@@ -94,6 +116,19 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from (any mesh)")
     p.add_argument("--trace-steps", type=int, default=d.trace_steps, help="steps recorded in timeline.json")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--grad-dump", default=None,
+                   help="write the first step's gradients (whole, by parameter FQN, before clipping) to this\n"
+                        "safetensors file (rank 0)")
+    p.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a collective waiting longer fails on every waiting rank, naming the missing rank, the\n"
+                        "collective, its mesh dim and call site; each such rank writes its last collectives to\n"
+                        "<out>/collectives-rank<r>.json (default: $VESCALE_COLLECTIVE_TIMEOUT, else 300). NCCL:\n"
+                        "set TORCH_NCCL_BLOCKING_WAIT=1 to raise rather than abort; the flight recorder dumps to\n"
+                        "<out>/flight-recorder-rank<r>")
+    p.add_argument("--collective-ring", type=int, default=d.collective_ring, metavar="N",
+                   help="collectives each rank records (op, mesh dim, call site) for the hang diagnosis. Default 0:\n"
+                        "none; the diagnosis then reads torch's flight recorder (no call sites). The ring is a\n"
+                        "dispatch mode on every op: +10%% to +73%% of a CPU step of a small model; off under --compile")
     args = p.parse_args(argv)
     cfg = TrainConfig(**vars(args))
     try:

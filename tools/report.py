@@ -7,12 +7,13 @@ import json
 import resource
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunLog", "TimelineWindow", "gather_per_rank", "state_bytes", "peak_memory_mb", "comm_time"]
+__all__ = ["RunLog", "TimelineWindow", "dump_grads", "gather_per_rank", "state_bytes", "peak_memory_mb", "comm_time"]
 
 
 def gather_per_rank(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -20,11 +21,63 @@ def gather_per_rank(values: list[float], device: torch.device, group: dist.Proce
 
     Collective over ``group`` (default: all ranks): one ``all_gather`` of tensors on ``device``, which must be the
     rank's device (``train.rank_device``), since NCCL refuses CPU tensors. Returned on every rank.
+
+    It is the last collective of a run, so it returns only once the backend's threads have let go of its tensors:
+    a gloo worker thread may drop its reference to a finished collective after ``all_gather`` has returned, and if
+    that happens while the interpreter is shutting down (a torchrun rank ends right after this), freeing the
+    tensors' Python objects from that thread aborts the process ("terminate called without an active exception").
     """
+    rows, held = _all_gather_rows(values, device, group)
+    _wait_released(held)
+    return rows
+
+
+def _all_gather_rows(values: list[float], device: torch.device, group) -> tuple[torch.Tensor, list[weakref.ref]]:
+    """The gathered rows on the CPU, and weak references to the tensors the collective used (no strong one left)."""
     mine = torch.tensor([values], dtype=torch.float64, device=device)
     per_rank = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(per_rank, mine, group=group)
-    return torch.cat(per_rank).cpu()
+    return torch.cat(per_rank).cpu(), [weakref.ref(t) for t in (mine, *per_rank)]
+
+
+def _wait_released(refs: list[weakref.ref], timeout: float = 5.0) -> bool:
+    """Wait (sleeping, so that a backend thread can take the GIL) until every tensor of ``refs`` is freed, i.e. no
+    backend thread holds it any more; ``False`` if some still lived after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(r() is not None for r in refs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def dump_grads(grads: dict[str, torch.Tensor], path: str | Path, keep: bool) -> None:
+    """Write the whole gradients of every rank's ``grads`` (``{fqn: tensor or DTensor}``) to one safetensors file.
+
+    Collective over all ranks, each passing its own ``grads``: every DTensor is gathered whole over its mesh
+    (``full_tensor``, in FQN order, so the ranks of one tp group issue the same collectives), then ranks with
+    ``keep`` send theirs to rank 0 (one ``gather_object``; ranks without ``keep``, e.g. dp and tp replicas, send
+    nothing), which writes ``path`` with every FQN once, as fp32 on the CPU.
+    """
+    from torch.distributed.tensor import DTensor
+
+    whole = {}
+    for name in sorted(grads):
+        g = grads[name]
+        g = g.full_tensor() if isinstance(g, DTensor) else g
+        whole[name] = g.detach().to("cpu", torch.float32).contiguous()
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(whole if keep else {}, gathered, dst=0)  # (NCCL: via the current CUDA device)
+    if dist.get_rank() != 0:
+        return
+    from safetensors.torch import save_file
+
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        for name, g in part.items():
+            merged.setdefault(name, g.clone())  # clones: tied FQNs must not share storage in safetensors
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(merged, str(path))
 
 
 def state_bytes(modules: list[torch.nn.Module]) -> int:

@@ -33,7 +33,8 @@ from torch import nn
 
 from vescale.core.comm import count_comms
 from vescale.core.launch import init_distributed, spawn
-from vescale.core.mesh import dim_size, init_mesh, sub_mesh
+from vescale.core.mesh import dim_size, init_mesh, mesh_coordinates, sub_mesh
+from vescale.core.watchdog import watch_collectives
 
 # The other vescale packages are imported where they are used: a spawned rank imports this file before it joins.
 TOOLS = str(Path(__file__).resolve().parent)
@@ -42,7 +43,7 @@ if TOOLS not in sys.path:  # config, models, data and report live next to this f
 import models  # noqa: E402
 from config import TrainConfig, check_fits, parse_args  # noqa: E402
 from data import MarkovCorpus  # noqa: E402
-from report import RunLog, TimelineWindow, gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
+from report import RunLog, TimelineWindow, dump_grads, gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
 
 
 def log(cfg: TrainConfig, message: str) -> None:
@@ -131,12 +132,14 @@ class Trainer:
     num_params: int  # of the whole model
     init_s: float  # seconds this rank spent building its part of the model
     init_bytes: int  # bytes of parameters and buffers this rank built (eager: the whole model)
+    # this rank's dp-reduced gradients by parameter FQN (``grads_by_fqn``); a collective over dp with ZeRO-2
+    grads: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
 def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
     """Build the model as this rank holds it on ``mesh``, its optimizer, and its forward-backward step."""
     from vescale.dtensor import is_deferred, materialize
-    from vescale.parallel import compile_parallel
+    from vescale.parallel import checkpoint_activations, compile_parallel
     from vescale.pipe.timeline import span
     from vescale.plan import language_model_loss
 
@@ -147,34 +150,65 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
     if dim_size(mesh, "pp") > 1:
         engine = apply_pp(model, mesh, cfg, device)
         held, init_s = list(engine.stages.values()), time.perf_counter() - t0
+        if cfg.activation_checkpointing != "none":  # a captured stage has no block modules: one region per stage
+            for stage in held:
+                checkpoint_activations(stage, cfg.activation_checkpointing, whole=True)
         bytes_built = whole_bytes if cfg.init == "eager" else state_bytes(held)
         optimizer = build_optimizer(engine.parameters(), None, cfg)
         return Trainer(lambda x, y: engine.step(x, y).detach(), engine.parameters(), optimizer,
-                       {"model": held, "optim": optimizer}, num_params, init_s, bytes_built)
+                       {"model": held, "optim": optimizer}, num_params, init_s, bytes_built,
+                       grads=lambda: grads_by_fqn(held))
     if dim_size(mesh, "tp") > 1:
         model = apply_tp(model, sub_mesh(mesh, "tp"), cfg)
     elif is_deferred(model):  # dp replicas each compute 1/dp of the init, then all-gather it
         dp = dim_size(mesh, "dp")
         materialize(model, device=device, replicate_over=sub_mesh(mesh, "dp") if dp > 1 else None)
     init_s, bytes_built = time.perf_counter() - t0, whole_bytes if cfg.init == "eager" else state_bytes([model])
+    if cfg.activation_checkpointing != "none":  # before compile and DDP (see checkpoint_activations)
+        checkpoint_activations(model, cfg.activation_checkpointing)
     if cfg.compile:
         compile_parallel(model)
     ddp = apply_dp(model, mesh, cfg)
     module = ddp if ddp is not None else model
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with span("forward", cat="forward"):
-            loss = language_model_loss(module(inputs), targets)
-        with span("backward", cat="backward"):
-            loss.backward()
-            if ddp is not None:
-                ddp.finish_grad_sync()
-        return loss.detach()
+        # --grad-accum N: N micro-steps over equal slices of this rank's rows, each loss / N, so the summed gradient
+        # is that of the mean loss over all rows; DDP reduces over dp only in the last micro-step's backward.
+        n, total = cfg.grad_accum, None
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
+            last = i == n - 1
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                with span("forward", cat="forward"):
+                    loss = language_model_loss(module(x), y) / n
+                with span("backward", cat="backward"):
+                    loss.backward()
+                    if ddp is not None and last:
+                        ddp.finish_grad_sync()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
 
     params = list(model.parameters())
     optimizer = build_optimizer(params, ddp, cfg)
     return Trainer(forward_backward, params, optimizer, {"model": model, "optim": optimizer}, num_params, init_s,
-                   bytes_built)
+                   bytes_built, grads=lambda: grads_by_fqn([model], ddp))
+
+
+def grads_by_fqn(modules: list[nn.Module], ddp=None) -> dict[str, torch.Tensor]:
+    """This rank's gradients by parameter FQN of the unwrapped model (every name of a tied parameter), as the
+    optimizer will see them: dp-averaged, laid out as the parameters are (DTensors over tp, or plain). Parameters
+    without a gradient are left out. With ``ddp`` they come from its buffers (``reduced_grads``; with ZeRO-2 an
+    all-gather over dp, so every dp rank must call it), else from ``.grad`` (a pipeline engine has reduced them)."""
+    reduced = None
+    if ddp is not None:
+        by_fqn = ddp.reduced_grads()
+        reduced = {id(slot.param): by_fqn[slot.fqn] for slot in ddp.slots.values()}
+    out = {}
+    for module in modules:
+        for name, p in module.named_parameters(remove_duplicate=False):
+            grad = p.grad if reduced is None else reduced.get(id(p))
+            if grad is not None:
+                out[name] = grad
+    return out
 
 
 def microbatches(cfg: TrainConfig, mesh) -> int:
@@ -190,12 +224,33 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run the job on this rank (the default process group is initialised); rank 0 returns the summary."""
+def train_watched(cfg: TrainConfig) -> dict:
+    """``train`` under the collective watchdog (``vescale.core.watchdog``): a collective that waits longer than
+    ``--collective-timeout`` raises ``CollectiveTimeoutError`` on every waiting rank (naming the missing rank, the
+    collective, its mesh dim and call site), after each writes its last collectives to
+    ``<out>/collectives-rank<r>.json`` (with torch's flight recorder where it recorded). With ``--compile`` no ring is
+    kept (torch.compile runs eager under a dispatch mode); the timeout and the flight recorder still apply."""
+    from vescale.core.errors import CollectiveTimeoutError
+
+    watch = watch_collectives(timeout=cfg.collective_timeout, ring_size=max(cfg.collective_ring, 1),
+                              record=cfg.collective_ring > 0 and not cfg.compile)
+    try:
+        with watch:
+            return train(cfg, watch)
+    except CollectiveTimeoutError as exc:
+        watch.dump(Path(cfg.out) / f"collectives-rank{dist.get_rank()}.json", exc)
+        raise
+
+
+def train(cfg: TrainConfig, watch=None) -> dict:
+    """Run the job on this rank (the default process group is initialised); rank 0 returns the summary. ``watch``
+    (a ``watch_collectives``) learns the mesh's dims."""
     from vescale import checkpoint
     from vescale.parallel import clip_grad_norm_
 
     rank, mesh, out = dist.get_rank(), init_mesh(cfg.dims), Path(cfg.out)
+    if watch is not None:
+        watch.add_mesh(mesh)
     check_fits(cfg, models.model_spec(cfg.model), *(dim_size(mesh, n) for n in ("pp", "dp", "tp")))
     device, dp, pp = rank_device(), dim_size(mesh, "dp"), dim_size(mesh, "pp")
     dp_rank = sub_mesh(mesh, "dp").get_local_rank() if dp > 1 else 0
@@ -219,6 +274,9 @@ def train(cfg: TrainConfig) -> dict:
         trainer.optimizer.zero_grad(set_to_none=True)
         with count_comms(mesh) if step == comm_step else contextlib.nullcontext() as counter:
             loss = trainer.forward_backward(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+            if cfg.grad_dump and step == start:  # before clipping and the update: the raw gradient of the batch
+                at = mesh_coordinates(mesh)  # one copy of each gradient: the dp and tp replicas' first
+                dump_grads(trainer.grads(), cfg.grad_dump, keep=at.get("dp", 0) == at.get("tp", 0) == 0)
             if cfg.clip and not cfg.zero:  # (ZeRO's optimizer clips its shards itself)
                 clip_grad_norm_(trainer.parameters, cfg.clip,
                                 pp_group=sub_mesh(mesh, "pp").get_group() if pp > 1 else None)
@@ -254,6 +312,7 @@ def train(cfg: TrainConfig) -> dict:
         "init_s_per_rank": [round(float(t), 3) for t in per_rank[:, 1]],
         "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in per_rank[:, 2]],
         "communication_share_traced_steps": window.comm_share, "collectives_one_step": comms,
+        "grad_accum": cfg.grad_accum,
     }, corpus.entropy())
 
 
@@ -262,17 +321,21 @@ def main(argv: list[str] | None = None) -> dict:
     world = math.prod(cfg.dims.values())
     # Checked here, before any rank starts, so a bad mesh is one clear message rather than one per rank.
     check_fits(cfg, models.model_spec(cfg.model), *(cfg.dims.get(n, 1) for n in ("pp", "dp", "tp")))
+    # torch's flight recorder (gloo and NCCL): each rank's last collectives, in collectives-rank<r>.json on a hang;
+    # NCCL also dumps it to <out>/flight-recorder-rank<r> when its watchdog times a collective out.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(cfg.out).resolve() / "flight-recorder-rank"))
     if "WORLD_SIZE" in os.environ:  # under torchrun: join its ranks
-        init_distributed()
+        init_distributed(collective_timeout=cfg.collective_timeout)
         try:  # leave the group even when the job fails (NCCL otherwise warns of a leaked communicator, or hangs)
             if dist.get_world_size() != world:
                 raise SystemExit(f"train.py: --mesh {cfg.mesh} needs {world} ranks but torchrun started "
                                  f"{dist.get_world_size()}")
-            summary = train(cfg)
+            summary = train_watched(cfg)
         finally:
             dist.destroy_process_group()
     else:
-        summary = spawn(train, world, cfg)
+        summary = spawn(train_watched, world, cfg, collective_timeout=cfg.collective_timeout)
     if summary and not cfg.quiet:
         print(json.dumps({k: v for k, v in summary.items() if k != "peak_memory_mb_per_rank"}, default=str))
         print(f"peak memory per rank (MB): {summary['peak_memory_mb_per_rank']}; outputs in {cfg.out}/")

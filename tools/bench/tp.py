@@ -15,6 +15,11 @@ Reports the median step time of the slowest rank, the ratio vescale / torch (tar
 hands to collectives per step (the inputs of every collective issued, functional or ``torch.distributed``, counted by
 :class:`vescale.core.comm.CommCounter`), their ratio (target 1.0), and the loss difference after the steps as a
 sanity check. Prints one JSON object.
+
+``--activation-checkpointing full|selective`` measures instead vescale's TP+SP step (dropout 0.1) with
+``vescale.parallel.checkpoint_activations`` against the same step without it, on fresh ranks each: median step time,
+peak RSS growth during the steps (CPU torch has no allocator statistics; Linux ``clear_refs`` resets the peak after
+warm-up), their ratios, and whether the losses are equal (they must be, bitwise).
 """
 
 from __future__ import annotations
@@ -135,6 +140,94 @@ def _rank_main(small: bool, tp: int, steps: int, warmup: int) -> dict:
             "loss_diff_after_steps": abs(loss_ours - loss_theirs)}
 
 
+def _peak_rss_reset() -> int:
+    """Reset this process's peak RSS (Linux ``clear_refs`` 5) and return the current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not resettable: the peak then also covers model building (reported as such)
+    return _proc_status_bytes("VmRSS")
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _ac_rank_main(small: bool, tp: int, steps: int, warmup: int, policy: str, dropout: float, batch: int) -> dict:
+    """vescale's TP+SP step with ``--activation-checkpointing policy`` (``none``: without): median step time of the
+    slowest rank, and the largest growth of any rank's peak RSS during the steps over its RSS before them (the
+    activations held for backward; CPU torch keeps no allocator statistics)."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.mesh import init_mesh
+    from vescale.core.testing.models import GPT
+    from vescale.dtensor import random as vrandom
+    from vescale.parallel import checkpoint_activations, parallelize_module, vocab_parallel_cross_entropy
+    from vescale.parallel.plans import gpt_plan
+
+    torch.set_num_threads(1)
+    cfg, default_batch, seq = _config(small)
+    cfg, batch = dataclasses.replace(cfg, dropout=dropout), batch or default_batch
+    mesh = init_mesh({"tp": tp})
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    parallelize_module(model, mesh, gpt_plan(mesh, sequence_parallel=True, loss_parallel=True))
+    if policy != "none":
+        checkpoint_activations(model, policy)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    vrandom.manual_seed(0)
+
+    def step() -> float:
+        loss = vocab_parallel_cross_entropy(model(tokens), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.to_local().item()
+
+    for _ in range(warmup):
+        step()
+    before = _peak_rss_reset()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    peak = _proc_status_bytes("VmHWM") - before
+    out = torch.tensor([statistics.median(times), float(peak)], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return {"policy": policy, "step_s": round(out[0].item(), 4), "peak_rss_growth_mb": round(out[1].item() / 2**20, 1),
+            "loss": loss}
+
+
+def _activation_checkpointing(args, steps: int, warmup: int) -> list[dict]:
+    """Each tp size: the step without and with ``--activation-checkpointing``, fresh ranks each (peak RSS is per
+    process), and the ratios with / without."""
+    from vescale.core.launch import spawn
+
+    results = []
+    for tp in args.tp:
+        base, ac = (spawn(_ac_rank_main, tp, args.small, tp, steps, warmup, policy, args.dropout, args.batch)
+                    for policy in ("none", args.activation_checkpointing))
+        results.append({"tp": tp, "without": base, "with": ac,
+                        "time_ratio": round(ac["step_s"] / base["step_s"], 3),
+                        "peak_memory_ratio": round(ac["peak_rss_growth_mb"] / max(base["peak_rss_growth_mb"], 1e-9),
+                                                   3),
+                        "loss_equal": ac["loss"] == base["loss"]})
+    return results
+
+
 def main() -> None:
     from vescale.core.launch import spawn
 
@@ -142,9 +235,20 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny model, few steps (the nox bench session)")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
+                        help="instead of vescale vs torch: vescale's step with this policy vs without it\n"
+                             "(step time, peak RSS growth, their ratios)")
+    parser.add_argument("--dropout", type=float, default=0.1, help="model dropout for --activation-checkpointing")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="sequences per step for --activation-checkpointing (0: the model's default, 4)")
     args = parser.parse_args()
     steps = args.steps or (3 if args.small else 8)
     warmup = 1 if args.small else 2
+    if args.activation_checkpointing != "none":
+        print(json.dumps({"benchmark": "tp-activation-checkpointing", "policy": args.activation_checkpointing,
+                          "small": args.small, "steps": steps, "dropout": args.dropout, "batch": args.batch or 4,
+                          "results": _activation_checkpointing(args, steps, warmup)}))
+        return
     results = [spawn(_rank_main, tp, args.small, tp, steps, warmup) for tp in args.tp]
     print(json.dumps({"benchmark": "tp", "small": args.small, "steps": steps, "results": results}))
 

@@ -104,3 +104,116 @@ def _dropout_refused():
 def test_cpu_attention_dropout_refused():
     """Fused attention dropout on DTensors is refused with the reason (it would draw per-rank masks)."""
     run_on_ranks(_dropout_refused, 1)
+
+
+SOLVE_CASES = [  # (mesh shape, placements of A, placements of B, A shape, B shape, left)
+    ((2,), ("R",), ("S0",), (4, 3, 4, 4), (4, 3, 4, 5), True),  # torch's rule broadcast these silently
+    ((2,), ("S0",), ("S0",), (4, 3, 4, 4), (4, 3, 4, 5), True),
+    ((2,), ("R",), ("S0",), (3, 4, 4), (2, 3, 4, 5), True),  # A broadcasts over B's extra leading dim
+    ((2,), ("R",), ("S0",), (1, 3, 4, 4), (2, 3, 4, 5), True),  # A broadcasts (size 1)
+    ((2,), ("R",), ("S3",), (4, 3, 4, 4), (4, 3, 4, 5), True),  # right-hand-side columns
+    ((2,), ("R",), ("S2",), (4, 3, 5, 5), (4, 3, 4, 5), False),  # rows, for X A = B
+    ((2, 2), ("S0", "R"), ("S0", "S0"), (4, 3, 1, 4, 4), (4, 3, 1, 4, 5), True),  # Qwen3-Next's gated delta rule
+    ((2, 2), ("R", "S1"), ("S4", "R"), (4, 3, 1, 4, 4), (4, 3, 1, 4, 5), True),
+]
+
+
+def _solve(mesh_shape, a_codes, b_codes, a_shape, b_shape, left):
+    import torch
+
+    from vescale.dtensor import distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    g = torch.Generator().manual_seed(3)
+    n = a_shape[-1]
+    a = torch.randn(*a_shape, generator=g).tril() + n * torch.eye(n)  # well conditioned, lower triangular
+    b = torch.randn(*b_shape, generator=g)
+    ref = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    out = torch.linalg.solve_triangular(*ref, upper=False, left=left)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+
+    dist = [distribute_tensor(t, mesh, [_placement(c) for c in codes]).requires_grad_()
+            for t, codes in ((a, a_codes), (b, b_codes))]
+    dout = torch.linalg.solve_triangular(*dist, upper=False, left=left)
+    dout.backward(distribute_tensor(grad, mesh, dout.placements))
+    where = f"mesh {mesh_shape} A {a_codes} {a_shape} B {b_codes} {b_shape} left={left}"
+    torch.testing.assert_close(dout.full_tensor(), out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} output: {m}")
+    for name, d, r in zip("AB", dist, ref):
+        torch.testing.assert_close(d.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{where} grad {name}: {m}")
+
+
+@multi_rank(world_sizes=[2, 4])
+def test_solve_triangular_matches_single_device(world_size):
+    """``linalg_solve_triangular`` (and its backward, which solves again and multiplies) with batch dims sharded,
+    broadcast, or not, the right-hand side's columns (rows for ``left=False``) sharded, on 2 ranks and a 2x2 mesh.
+    torch's own rule paired a batch-sharded B with a replicated A that has the batch dim in full, and the local
+    kernel broadcast the unequal local batches into a wrong result (the first and the 2x2 cases)."""
+    import math
+
+    for case in SOLVE_CASES:
+        if math.prod(case[0]) == world_size:
+            _solve(*case)
+
+
+def _copy_into_partial():
+    import torch
+    import torch.distributed as dist
+
+    from vescale.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(5)
+    base, value = torch.randn(4, 3, 6, generator=g), torch.randn(4, 6, generator=g)
+    for dst_placements, src_placements in [([Shard(0), Partial()], [Shard(0), Shard(0)]),
+                                           ([Partial(), Replicate()], [Shard(1), Replicate()]),
+                                           ([Partial("avg"), Partial()], [Replicate(), Shard(0)])]:
+        # a partial tensor whose parts add up to ``base``: rank r's part is base * w_r on each partial dim
+        local = distribute_tensor(base, mesh, [Replicate() if p.is_partial() else p for p in dst_placements])
+        part = local.to_local().clone()
+        for dim, p in enumerate(dst_placements):
+            if p.is_partial() and p.reduce_op == "sum":
+                part = part * (0.25 if mesh.get_local_rank(dim) == 0 else 0.75)
+        dst = DTensor.from_local(part, mesh, dst_placements, run_check=False, shape=base.shape,
+                                 stride=base.stride())
+        dst[:, 1] = distribute_tensor(value, mesh, src_placements)  # the write RecurrentGemma's scan makes
+        want = base.clone()
+        want[:, 1] = value
+        torch.testing.assert_close(dst.full_tensor(), want, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"dst {dst_placements} <- src {src_placements}: {m}")
+    dist.barrier()
+
+
+def test_copy_into_partial_matches_single_device():
+    """An indexed write of a sharded tensor into a partial one (torch has no Shard -> Partial redistribution): the
+    result's full tensor is the plain write's, for sum and avg partials on a 2x2 mesh."""
+    run_on_ranks(_copy_into_partial, 4)
+
+
+def _uneven_views():
+    import torch
+
+    from vescale.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh, strict
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(11)
+    cases = [  # (shape, placements, view size): torch refuses each, the shard of a dim the view splits is uneven
+        ((4, 4, 8, 15), [Shard(2), Shard(0)], (4, 4, 15, 8)),  # XLNet's relative-attention shift on dp x tp
+        ((3, 3, 4), [Shard(0), Replicate()], (9, 4)),  # 3 rows over 2 ranks, flattened
+        ((4, 6, 5), [Replicate(), Shard(1)], (4, 3, -1)),  # a kept dim 0 and a split of the sharded dim 1
+    ]
+    for shape, placements, size in cases:
+        x = torch.randn(*shape, generator=g)
+        d = distribute_tensor(x, mesh, placements)
+        out = d.view(size)
+        where = f"{shape} {placements} -> {size}"
+        torch.testing.assert_close(out.full_tensor(), x.view(size), rtol=0, atol=0, msg=lambda m: f"{where}: {m}")
+        with strict(), pytest.raises(RuntimeError, match="unevenly sharded"):
+            d.view(size)
+
+
+def test_uneven_view_gathers_outside_strict_mode():
+    """A view that splits or merges an unevenly sharded dim (torch refuses it) equals the plain view outside strict
+    mode (the dim is gathered first) and keeps torch's error in strict mode."""
+    run_on_ranks(_uneven_views, 4)

@@ -81,3 +81,33 @@ def test_bad_plans_fail_clearly_before_any_collective():
         _expect(mesh, {"forward": {"proj.output": [[Replicate()]], "input": [None]}}, "'forward'", "old format",
                 "'proj.output' -> plan['output']['proj']", "'input' -> plan['input']['']")
     dist.barrier()
+
+
+@multi_rank(world_sizes=[2])
+def test_values_read_into_python_refused_with_the_line():
+    """Model code that reads a sharded tensor's values into Python (JetMoE's router: ``counts.tolist()``) is refused
+    with a DataDependentError naming the line, instead of torch's bare subclass error (or, were the values read
+    locally, routing by one rank's partial counts: a wrong result)."""
+    import pytest
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import Shard
+
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import parallelize_module
+    from vescale.parallel.errors import DataDependentError
+
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(6, 4, bias=False)
+
+        def forward(self, x):
+            counts = (self.gate(x) > 0).sum(0)  # tokens per expert, sharded like the gate
+            sizes = counts.tolist()
+            return x * len(sizes)
+
+    mesh = init_mesh({"tp": 2})
+    model = parallelize_module(Router(), mesh, {"parameter": {"gate.weight": [Shard(0)]}})
+    with pytest.raises(DataDependentError, match=r"test_plan_errors\.py:\d+ `sizes = counts\.tolist\(\)`"):
+        model(torch.randn(3, 6))

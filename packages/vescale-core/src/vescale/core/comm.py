@@ -107,11 +107,14 @@ def _mesh_dim_groups(mesh) -> dict[str, str]:
 class _CountCollectives(TorchDispatchMode):
     """Counts collective ops as they reach the dispatcher. DTensor ops are let through first (NotImplemented), so
     the collectives they desugar into are seen. It tracks no modules and installs no hooks (see the module
-    docstring)."""
+    docstring). ``counter._record(name, bytes, group name)`` runs just before the op does, so a recorder sees a
+    collective that then hangs (the watchdog's ring, :mod:`vescale.core.watchdog`, records through this class with
+    a ``name_of`` that also names barriers)."""
 
-    def __init__(self, counter: CommCounter) -> None:
+    def __init__(self, counter: Any, name_of: Any = None) -> None:
         super().__init__()
         self.counter = counter
+        self.name_of = name_of or collective_name
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -121,12 +124,10 @@ class _CountCollectives(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        name = collective_name(func)
-        size = _input_bytes(func, args) if name is not None else 0
-        out = func(*args, **kwargs)
+        name = self.name_of(func)
         if name is not None:
-            self.counter._record(name, size, _group_key(func, args, kwargs))
-        return out
+            self.counter._record(name, _input_bytes(func, args), _group_key(func, args, kwargs))
+        return func(*args, **kwargs)
 
 
 class CommCounter:

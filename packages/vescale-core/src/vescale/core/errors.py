@@ -13,6 +13,7 @@ __all__ = [
     "PlanError",
     "RankError",
     "RankTimeoutError",
+    "CollectiveTimeoutError",
 ]
 
 
@@ -47,3 +48,24 @@ class RankTimeoutError(VescaleError, TimeoutError):
     def __init__(self, message: str, *, ranks: list[int]) -> None:
         super().__init__(message)
         self.ranks = ranks
+
+
+class CollectiveTimeoutError(VescaleError, TimeoutError):
+    """A collective waited longer than the collective timeout (raised by :mod:`vescale.core.watchdog`).
+
+    ``missing_ranks``: the ranks that did not enter the collective the most ranks wait in (all disagreeing ranks
+    when there is no majority); ``collective`` (its ``torch.distributed`` name), ``mesh_dim`` (None when its group
+    is no mesh dimension), ``call_site`` (``file:line in function``) and ``seq`` (its index among the collectives on
+    its group) describe that collective; ``reports`` is every reporting rank's account ``{rank: dict}``.
+    """
+
+    def __init__(self, message: str, *, missing_ranks: list[int], collective: str | None = None,
+                 mesh_dim: str | None = None, call_site: str | None = None, seq: int | None = None,
+                 reports: dict | None = None) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+        self.collective = collective
+        self.mesh_dim = mesh_dim
+        self.call_site = call_site
+        self.seq = seq
+        self.reports = reports or {}

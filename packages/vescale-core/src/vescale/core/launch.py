@@ -6,38 +6,55 @@ is for programs started by ``torchrun``, which already set ``RANK``, ``WORLD_SIZ
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from vescale.core._workers import WorkerGroup, default_backend
+from vescale.core._workers import WorkerGroup, _function_ref, _resolve, default_backend
+from vescale.core.watchdog import collective_timeout as collective_timeout_s
 
 __all__ = ["spawn", "init_distributed", "default_backend", "free_port"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
-          timeout: float = 3600.0) -> Any:
+          timeout: float = 3600.0, collective_timeout: float | None = None) -> Any:
     """Run ``fn(*args)`` on ``world_size`` fresh local processes and return rank 0's result.
 
     Each process joins one process group (``backend`` defaults to ``nccl`` when there is a GPU per rank, else
     ``gloo``; with ``nccl`` rank r uses ``cuda:r``) before ``fn`` runs and leaves it after. ``fn`` must be a
-    module-level function (it is sent to the ranks by reference) and ``args`` must be picklable.
+    module-level function (it is sent to the ranks by reference) and ``args`` must be picklable. A collective of
+    the default group that waits longer than ``collective_timeout`` seconds (default ``$VESCALE_COLLECTIVE_TIMEOUT``,
+    else 300; see :mod:`vescale.core.watchdog`) raises on the ranks that wait in it.
 
     Raises :class:`~vescale.core.errors.RankError` naming the first rank that raised (with that rank's traceback) or
     whose process died, and :class:`~vescale.core.errors.RankTimeoutError` naming the ranks still running after
     ``timeout`` seconds; in both cases every rank process has been stopped when the call returns.
     """
+    seconds = collective_timeout_s(collective_timeout)  # a bad value fails here, before any rank starts
+    task = functools.partial(_run_with_collective_timeout, _function_ref(fn), seconds)
+    task.__qualname__ = getattr(fn, "__qualname__", repr(fn))  # what the group's errors name
     with WorkerGroup(world_size, backend=backend) as group:
-        return group.run(fn, args, timeout=timeout)[0]
+        return group.run(task, args, timeout=timeout)[0]
 
 
-def init_distributed(backend: str | None = None, timeout: float = 1800.0) -> tuple[int, int]:
+def _run_with_collective_timeout(ref: tuple, seconds: float, *args: Any) -> Any:
+    """On a rank: set the default group's collective timeout, then run the function ``ref`` names."""
+    from vescale.core.watchdog import set_collective_timeout
+
+    set_collective_timeout(seconds)
+    return _resolve(ref)(*args)
+
+
+def init_distributed(backend: str | None = None, timeout: float | None = None, *,
+                     collective_timeout: float | None = None) -> tuple[int, int]:
     """Join the process group described by the launcher's environment (torchrun); return ``(rank, world_size)``.
 
     Idempotent: an already initialised default group is kept. Without ``WORLD_SIZE`` in the environment this makes a
     one-rank group, so the same program runs as a plain ``python`` script. With ``nccl`` the current CUDA device is
-    set to ``LOCAL_RANK``.
+    set to ``LOCAL_RANK``. The default group's collectives time out after ``collective_timeout`` seconds (``timeout``
+    is its older name; default ``$VESCALE_COLLECTIVE_TIMEOUT``, else 300; see :mod:`vescale.core.watchdog`).
     """
     import torch
     import torch.distributed as dist
@@ -52,7 +69,8 @@ def init_distributed(backend: str | None = None, timeout: float = 1800.0) -> tup
     backend = backend or default_backend(local_world)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    seconds = collective_timeout_s(collective_timeout if collective_timeout is not None else timeout)
+    dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
     return dist.get_rank(), dist.get_world_size()
 
 

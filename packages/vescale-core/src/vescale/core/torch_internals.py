@@ -76,6 +76,12 @@ __all__ = [
     "call_uncompiled",
     "dynamo_explain",
     "queue_end_of_backward",
+    "set_group_timeout",
+    "default_store",
+    "flight_recorder_json",
+    "checkpoint_regions",
+    "torch_graph_task_id",
+    "function_mode_stack",
 ]
 
 _DT = "torch.distributed.tensor"
@@ -326,6 +332,84 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(callback)
 
 
+def checkpoint_regions() -> list[tuple[Any, Any]]:
+    """The ``torch.utils.checkpoint`` regions this thread is running in, innermost first, as ``(region, token)``.
+
+    ``region`` is the object torch keeps for one checkpoint call, the same in its forward and in every recompute
+    (the ``ctx`` of ``use_reentrant=True``, the checkpoint frame of ``use_reentrant=False``). ``token`` is None while
+    the region's original forward runs and, while torch recomputes it during backward, an id of that recompute (the
+    backward's graph task, so a second backward with ``retain_graph`` is a new recompute).
+
+    Why: torch's checkpoint restores only torch's own generators for the recompute and exposes no hook or flag
+    saying that a recompute (or a checkpointed forward) is running; vescale's counter RNG must replay the counter
+    values the forward drew. The frames of torch's checkpoint functions on this thread's stack say it exactly.
+    """
+    import inspect
+
+    from torch.utils import checkpoint as cp
+
+    codes = _checkpoint_codes(cp, inspect)
+    out: list[tuple[Any, Any]] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        kind = codes.get(frame.f_code)
+        if kind == "reentrant_forward":
+            out.append((frame.f_locals["ctx"], None))
+        elif kind == "reentrant_backward":
+            out.append((frame.f_locals["ctx"], ("graph_task", torch_graph_task_id())))
+        elif kind == "forward":
+            gen = frame.f_locals.get("gen")
+            gen_frame = getattr(gen, "gi_frame", None)
+            region = gen_frame.f_locals.get("new_frame") if gen_frame is not None else None
+            if region is not None:
+                out.append((region, None))
+        elif kind == "recompute":
+            region = frame.f_locals.get("frame")
+            if region is not None:
+                out.append((region, ("gid", frame.f_locals.get("gid"))))
+        frame = frame.f_back
+    return out
+
+
+_CHECKPOINT_CODES: dict = {}
+
+
+def _checkpoint_codes(cp: Any, inspect: Any) -> dict:
+    # code object -> what a frame running it is (torch.utils.checkpoint's private classes, see checkpoint_regions)
+    if not _CHECKPOINT_CODES:
+        _CHECKPOINT_CODES[cp.CheckpointFunction.forward.__code__] = "reentrant_forward"
+        _CHECKPOINT_CODES[cp.CheckpointFunction.backward.__code__] = "reentrant_backward"
+        _CHECKPOINT_CODES[inspect.unwrap(cp.checkpoint).__code__] = "forward"
+        for const in cp._checkpoint_hook.__init__.__code__.co_consts:
+            if getattr(const, "co_name", None) == "unpack_hook":  # the hook that runs the recompute
+                _CHECKPOINT_CODES[const] = "recompute"
+        if len(set(_CHECKPOINT_CODES.values())) != 4:
+            raise RuntimeError("torch.utils.checkpoint changed: vescale cannot find its recompute hook "
+                               "(vescale.core.torch_internals.checkpoint_regions must be updated)")
+    return _CHECKPOINT_CODES
+
+
+def function_mode_stack() -> list:
+    """The active ``TorchFunctionMode``s, outermost first.
+
+    Why: torch has no public read of the mode stack; torch's own checkpoint reads it to run a recompute under the
+    forward's device context, and vescale's activation checkpointing does the same for its factory-capture mode.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
+
+
+def torch_graph_task_id() -> int:
+    """The id of the backward pass running on this thread (-1 outside backward).
+
+    Why: autograd exposes no public id of the current backward; checkpoint's own recompute bookkeeping uses this one.
+    """
+    import torch
+
+    return torch._C._current_graph_task_id()
+
+
 def outside_dispatch_modes() -> Any:
     """A context manager that steps out of every active dispatch mode (the fake and proxy modes of a
     ``torch.compile`` trace), for plain integer bookkeeping on real tensors inside a sharding rule.
@@ -335,3 +419,46 @@ def outside_dispatch_modes() -> Any:
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+# ------------------------------------------------------------------------------------------- process groups (watchdog)
+
+
+def set_group_timeout(group: Any, seconds: float) -> Any:
+    """Make ``group`` (a ``ProcessGroup`` or its ``group_name``) time out collectives issued from now on after
+    ``seconds``; return the ``ProcessGroup``.
+
+    Why: the timeout is public only as an argument of ``init_process_group`` / ``new_group``; the groups a
+    ``DeviceMesh`` creates take torch's 30-minute default, and functional collectives name their group by a string
+    that only ``_resolve_process_group`` turns back into the group.
+    """
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    if isinstance(group, str):
+        group = c10d._resolve_process_group(group)
+    c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    return group
+
+
+def default_store() -> Any:
+    """The key-value store the default process group was created with (``init_process_group``'s store).
+
+    Why: the ranks of a hung collective can no longer talk through the process group; the store still works, and
+    torch keeps it only as ``_get_default_store``.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def flight_recorder_json() -> bytes:
+    """torch's flight recorder (the last collectives of every process group of this rank, NCCL and gloo alike;
+    recording only when ``TORCH_FR_BUFFER_SIZE`` > 0 was set before the group was created) as JSON bytes.
+
+    Why: the dump is bound only as ``torch._C._distributed_c10d._dump_fr_trace_json``.
+    """
+    import torch._C._distributed_c10d as c10d_c
+
+    return c10d_c._dump_fr_trace_json()

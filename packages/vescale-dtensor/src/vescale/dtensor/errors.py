@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vescale.core.errors import VescaleError
 
-__all__ = ["PlacementError", "StrictRedistributeError", "DeferredInitError", "CompiledRandomError"]
+__all__ = ["PlacementError", "StrictRedistributeError", "DeferredInitError", "CompiledRandomError", "CheckpointReplayError"]
 
 
 class PlacementError(VescaleError, ValueError):
@@ -21,3 +21,8 @@ class DeferredInitError(VescaleError, RuntimeError):
 
 class CompiledRandomError(VescaleError, RuntimeError):
     """A DTensor random op (dropout, init) reached vescale's counter RNG while ``torch.compile`` was tracing."""
+
+
+class CheckpointReplayError(VescaleError, RuntimeError):
+    """A checkpointed region's recompute made a random call that its forward did not make (different control flow,
+    ``p`` or ``training`` between forward and backward), so its values cannot be replayed."""

@@ -19,11 +19,26 @@ How calls are intercepted:
 The sequence number advances by one per call on every rank: ranks must make the same random calls in the same order
 (SPMD), which is what makes the scheme communication free. ``orthogonal_`` and ``sparse_`` of ``torch.nn.init`` are
 not supported on sharded tensors (they need the whole matrix).
+
+Activation checkpointing (``torch.utils.checkpoint``, reentrant or not, and
+:func:`vescale.parallel.checkpoint_activations`): torch restores only its own generators before a recompute, so a
+plain counter would hand the recompute the *next* values (other dropout masks, wrong gradients). Here every random
+call made inside a checkpointed region's forward is recorded with that region (its seed and sequence number, per
+random op, in order), and the same call during the region's recompute replays the recorded values instead of
+drawing: recomputed masks are bitwise the forward's, and the recompute does not advance the sequence, so the state
+after a checkpointed step equals the state without checkpointing (later steps are bitwise equal too). Regions are
+told apart by torch's own per-call objects (:func:`vescale.core.torch_internals.checkpoint_regions`), so nested
+regions, several microbatches in flight, reseeding between steps and ``preserve_rng_state=False`` (values are still
+replayed) are covered. Replay is per random op in call order, like torch's selective checkpointing, so ops a policy
+saves are simply not replayed. A recompute that makes a random call its forward did not make raises
+:class:`CheckpointReplayError` (on every rank: the calls are SPMD) instead of returning other values.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -34,11 +49,12 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from vescale.core import torch_internals
 from vescale.core.torch_internals import TorchDispatchMode
 from vescale.dtensor._philox import MASK32, philox4x32
-from vescale.dtensor.errors import CompiledRandomError, PlacementError
+from vescale.dtensor.errors import CheckpointReplayError, CompiledRandomError, PlacementError
 from vescale.dtensor.layout import global_flat_index
 
 __all__ = ["manual_seed", "initial_seed", "get_state", "set_state", "single_device", "rand", "randn", "randint",
-           "normal_", "uniform_", "bernoulli_", "dropout", "is_installed", "uninstall", "fill_random"]
+           "normal_", "uniform_", "bernoulli_", "dropout", "is_installed", "uninstall", "fill_random",
+           "CheckpointReplayError"]
 
 aten = torch.ops.aten
 
@@ -76,6 +92,62 @@ def _next_seq() -> int:
     s = _seq
     _seq += 1
     return s
+
+
+# ------------------------------------------------------------------------------------ activation checkpointing replay
+
+class _RegionDraws:
+    """What one checkpoint region's forward drew (``key -> [(seed, seq), ...]`` in call order) and, per recompute,
+    how many of each key that recompute has replayed."""
+
+    __slots__ = ("draws", "replayed")
+
+    def __init__(self) -> None:
+        self.draws: dict[str, list[tuple[int, int]]] = {}
+        self.replayed: dict[object, dict[str, int]] = {}
+
+
+# region object (torch's, one per checkpoint call) -> its draws; dies with the region after its backward
+_regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _draw(key: str) -> tuple[int, int]:
+    """``(seed, sequence number)`` for the next random call ``key`` (an op name).
+
+    Outside checkpointing: the current seed and the next sequence number. Inside a checkpointed region's forward the
+    same, recorded with every enclosing region up to the innermost recompute. Inside a recompute: the values the
+    region's forward drew for its n-th ``key`` call (the sequence does not advance).
+    """
+    regions = torch_internals.checkpoint_regions()
+    recording = []
+    source = None
+    for region, token in regions:  # innermost first
+        if token is not None:
+            source = (region, token)
+            break
+        recording.append(region)
+    draw = _replay(*source, key) if source is not None else (_seed, _next_seq())
+    for region in recording:
+        record = _regions.get(region)
+        if record is None:
+            record = _regions[region] = _RegionDraws()
+        record.draws.setdefault(key, []).append(draw)
+    return draw
+
+
+def _replay(region, token, key: str) -> tuple[int, int]:
+    record = _regions.get(region)
+    drawn = record.draws.get(key, []) if record is not None else []
+    done = record.replayed.setdefault(token, {}) if record is not None else {}
+    i = done.get(key, 0)
+    if i >= len(drawn):
+        raise CheckpointReplayError(
+            f"activation checkpointing: the recompute of a checkpointed region made random call {key} number {i + 1}, "
+            f"but the region's forward made only {len(drawn)} such call(s); vescale's RNG cannot give the recompute "
+            "the forward's values. Keep the region's random calls (dropout p, module.training, control flow) the "
+            "same between forward and backward")
+    done[key] = i + 1
+    return drawn[i]
 
 
 # ---------------------------------------------------------------------------------------------------- value kernels
@@ -159,13 +231,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def fill_random(target: torch.Tensor, kind: str, *params, seq: int | None = None, seed: int | None = None,
-                index: torch.Tensor | None = None) -> torch.Tensor:
+                index: torch.Tensor | None = None, key: str | None = None) -> torch.Tensor:
     """Overwrite ``target`` (plain tensor or DTensor) in place with ``kind`` in ``uniform``/``normal``/``randint``/
     ``bernoulli`` values; consumes one sequence number unless ``seq`` is given. Returns ``target``.
 
-    ``index`` overrides the global element indices (deferred init passes the indices of a view).
+    ``index`` overrides the global element indices (deferred init passes the indices of a view). ``key`` names the
+    call for checkpoint replay (the aten op; default ``kind``); inside a checkpoint recompute the forward's values
+    are replayed (module docstring).
     """
-    seq = _next_seq() if seq is None else seq
+    if seq is None:
+        drawn_seed, seq = _draw(key or kind)
+        seed = drawn_seed if seed is None else seed
     seed = _seed if seed is None else seed
     local = _local(target)
     if local.is_meta:
@@ -221,11 +297,11 @@ def _dropout(x: torch.Tensor, p: float, train: bool | None):
     if not train or p == 0.0:
         out_local, keep = local.clone(), torch.ones_like(local, dtype=torch.bool)
     else:
-        seq = _next_seq()
+        seed, seq = _draw(str(aten.native_dropout.default))
         noise = torch.empty_like(local)
         if not local.is_meta:
             idx = _index_of(x, "dropout", allow_partial=True).to(local.device)
-            noise.copy_((_uniform01(idx, seq, _seed) < 1.0 - p).view(local.shape))
+            noise.copy_((_uniform01(idx, seq, seed) < 1.0 - p).view(local.shape))
         keep = noise != 0
         noise.div_(1.0 - p) if p < 1.0 else noise.zero_()
         out_local = local * noise
@@ -268,23 +344,24 @@ def _handle(func, args, kwargs, index: torch.Tensor | None = None):
             "call .eval() for the compiled region, compile only blocks without dropout "
             "(vescale.parallel.compile_parallel checks this), or vescale.dtensor.random.uninstall() to use torch's "
             "RNG (masks then differ from one device's)")
+    fill = functools.partial(fill_random, key=str(func))  # checkpoint replay matches calls per op
     kwargs = dict(kwargs or {})
     kwargs.pop("generator", None)
     if func is aten.uniform_.default:
-        return fill_random(args[0], "uniform", *(list(args[1:3]) + [kwargs.get("from", 0.0), kwargs.get("to", 1.0)]
+        return fill(args[0], "uniform", *(list(args[1:3]) + [kwargs.get("from", 0.0), kwargs.get("to", 1.0)]
                                                  [len(args[1:3]):]), index=index)
     if func is aten.normal_.default:
-        return fill_random(args[0], "normal", *(list(args[1:3]) + [kwargs.get("mean", 0.0), kwargs.get("std", 1.0)]
+        return fill(args[0], "normal", *(list(args[1:3]) + [kwargs.get("mean", 0.0), kwargs.get("std", 1.0)]
                                                 [len(args[1:3]):]), index=index)
     if func is aten.bernoulli_.float or func is aten.bernoulli_.Tensor:
         p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-        return fill_random(args[0], "bernoulli", p, index=index)
+        return fill(args[0], "bernoulli", p, index=index)
     if func is aten.bernoulli.default:
         out = _like(args[0], None)
-        return fill_random(out, "bernoulli", args[0])
+        return fill(out, "bernoulli", args[0])
     if func is aten.bernoulli.p:
         out = _like(args[0], None)
-        return fill_random(out, "bernoulli", args[1] if len(args) > 1 else kwargs["p"])
+        return fill(out, "bernoulli", args[1] if len(args) > 1 else kwargs["p"])
     if func in (aten.random_.default, aten.random_.to, getattr(aten.random_, "from")):
         t = args[0]
         if func is aten.random_.default:
@@ -295,33 +372,34 @@ def _handle(func, args, kwargs, index: torch.Tensor | None = None):
             frm = args[1] if len(args) > 1 else kwargs["from"]
             to = args[2] if len(args) > 2 else kwargs.get("to")
             frm, to = _random_bounds(t, frm, to)
-        return fill_random(t, "randint", frm, to, index=index)
+        return fill(t, "randint", frm, to, index=index)
     if func is aten.native_dropout.default:
         return _dropout(args[0], float(args[1]), args[2] if len(args) > 2 else kwargs.get("train"))
     if func in (aten.rand_like.default, aten.randn_like.default):
         out = _like(args[0], kwargs.get("dtype"))
         kind, params = ("uniform", (0.0, 1.0)) if func is aten.rand_like.default else ("normal", (0.0, 1.0))
-        return fill_random(out, kind, *params)
+        return fill(out, kind, *params)
     if func is aten.randint_like.default:
         out = _like(args[0], kwargs.get("dtype"))
-        return fill_random(out, "randint", 0, args[1] if len(args) > 1 else kwargs["high"])
+        return fill(out, "randint", 0, args[1] if len(args) > 1 else kwargs["high"])
     if func is aten.randint_like.low_dtype:
         out = _like(args[0], kwargs.get("dtype"))
-        return fill_random(out, "randint", args[1], args[2])
+        return fill(out, "randint", args[1], args[2])
     return NotImplemented
 
 
 def _handle_factory(func, args, kwargs):
     """``torch.rand/randn/randint`` on plain tensors (inside :func:`single_device`)."""
+    fill = functools.partial(fill_random, key=str(func))
     kwargs = dict(kwargs or {})
     kwargs.pop("generator", None)
     if func in (aten.rand.default, aten.randn.default):
         out = torch.empty(args[0], dtype=kwargs.get("dtype") or torch.get_default_dtype(), device=kwargs.get("device"))
-        return fill_random(out, "uniform" if func is aten.rand.default else "normal", 0.0, 1.0)
+        return fill(out, "uniform" if func is aten.rand.default else "normal", 0.0, 1.0)
     if func in (aten.randint.default, aten.randint.low):
         low, high, size = (0, args[0], args[1]) if func is aten.randint.default else args[:3]
         out = torch.empty(size, dtype=kwargs.get("dtype") or torch.int64, device=kwargs.get("device"))
-        return fill_random(out, "randint", low, high)
+        return fill(out, "randint", low, high)
     return NotImplemented
 
 

@@ -20,9 +20,20 @@ local generator, which would not reproduce the single-device result (vescale's c
 * ``aten._grouped_mm`` (Hugging Face's default MoE experts kernel): operands replicated, then computed locally (torch
   has no rule, and its CPU meta kernel refuses fp32; see :func:`_grouped_mm_on_replicated`).
 
+* ``aten.linalg_solve_triangular`` with broadcast batch dims (see :func:`_solve_triangular_strategy`): torch's rule
+  can pair a batch-sharded right-hand side with a replicated matrix that has the same batch dim in full, and the
+  local kernel then broadcasts the two unequal local batches into a wrong result labelled as sharded (Qwen3-Next's
+  gated delta rule on a dp x tp mesh hit it). vescale's rule replaces it.
+
+* ``aten.copy_`` into a ``Partial`` DTensor from a sharded one (see :func:`_copy_into_partial`): torch cannot
+  redistribute ``Shard`` to ``Partial``, so the backward of an indexed write (``out[:, t] = x``, RecurrentGemma's
+  scan) failed when the incoming gradient was partial.
+
 * ``aten.view`` of a DTensor whose local tensor is laid out in memory differently from its declared strides: the
   local tensor is re-laid as declared and the view retried (see :func:`_view_of_relaid`), instead of failing with
-  "view size is not compatible with input tensor's size and stride".
+  "view size is not compatible with input tensor's size and stride". A view that flattens or splits an unevenly
+  sharded dim (torch refuses: "Cannot flatten/unflatten unevenly sharded tensor") is, outside strict mode, computed
+  on the tensor gathered along that dim (see :func:`_placements_through_view`).
 
 Built on torch's private ``torch.distributed.tensor._ops`` registration API (the same one torch's own rules use),
 reached through :mod:`vescale.core.torch_internals`.
@@ -30,10 +41,11 @@ reached through :mod:`vescale.core.torch_internals`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.core import torch_internals
 from vescale.core.torch_internals import (
@@ -44,6 +56,7 @@ from vescale.core.torch_internals import (
     register_op_strategy,
 )
 from vescale.dtensor.layout import relaid_as_declared, smallest_shard
+from vescale.dtensor.strict import is_strict
 
 __all__ = ["ATTENTION_DROPOUT_ERROR", "install"]
 
@@ -137,6 +150,39 @@ def _cpu_flash_attention_backward_strategy(op_schema: OpSchema) -> OpStrategy:
                                            is_valid_strategy_cb=_valid_strategy(op_schema, _heads(op_schema, 1)))
 
 
+def _broadcast_partner(shape: tuple, batch: tuple, dim: int):
+    """How an operand of ``shape`` is placed when output batch dim ``dim`` (of the broadcast ``batch``) is sharded:
+    sharded on its aligned dim where it has that dim in full, replicated where it broadcasts (absent or size 1)."""
+    aligned = dim - (len(batch) - (len(shape) - 2))
+    return Shard(aligned) if aligned >= 0 and shape[aligned] == batch[dim] else Replicate()
+
+
+def _solve_triangular_strategy(op_schema: OpSchema) -> OpStrategy:
+    """``linalg_solve_triangular(A, B, *, upper, left=True, unitriangular=False) -> X``; A and B broadcast over their
+    batch dims (all but the last two).
+
+    Strategies, per mesh dim: all replicated; an output batch dim sharded, with each operand sharded on its aligned
+    dim where it has that dim in full and replicated where it broadcasts; B partial (X is linear in B) with A
+    replicated; B's right-hand-side columns sharded (rows for ``left=False``: each solves independently) with A
+    replicated. torch's own rule also offers A replicated with B sharded on any batch dim, which is right only where
+    A broadcasts there; it is replaced because otherwise it yields silently wrong values.
+    """
+    a, b = op_schema.args_schema[0], op_schema.args_schema[1]
+    left = op_schema.kwargs_schema.get("left", True)
+    batch = tuple(torch.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
+    ndim = len(batch) + 2
+    strategies: list[list] = [[Replicate()] * 3]
+    for dim, size in enumerate(batch):
+        if size > 1:
+            strategies.append([Shard(dim), _broadcast_partner(tuple(a.shape), batch, dim),
+                               _broadcast_partner(tuple(b.shape), batch, dim)])
+    strategies.append([Partial(), Replicate(), Partial()])
+    independent = -1 if left else -2
+    strategies.append([Shard(ndim + independent), Replicate(), Shard(len(b.shape) + independent)])
+    mesh = op_schema.get_mesh_from_args()
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1, allow_uneven_sharding=True)
+
+
 def _grouped_mm_on_replicated(op_call, args: tuple, kwargs: dict):
     """``aten._grouped_mm`` (Hugging Face's default MoE experts kernel) on DTensors whose operands are all replicated:
     the local op, wrapped replicated.
@@ -181,11 +227,64 @@ def _view_of_relaid(op_call, args: tuple, kwargs: dict):
     try:
         return op_call(*args, **kwargs)
     except RuntimeError as e:
-        if "view size is not compatible" not in str(e) or not isinstance(args[0], DTensor):
+        if not isinstance(args[0], DTensor):
             raise
-        return op_call(relaid_as_declared(args[0]), *args[1:], **kwargs)
+        if "view size is not compatible" in str(e):
+            return op_call(relaid_as_declared(args[0]), *args[1:], **kwargs)
+        if "unevenly sharded" in str(e) and not is_strict():
+            placements = _placements_through_view(args[0], args[1])
+            if placements is not None:
+                return op_call(args[0].redistribute(args[0].device_mesh, placements), *args[1:], **kwargs)
+        raise
     finally:
         handlers[op_call] = _view_of_relaid
+
+
+def _placements_through_view(t: DTensor, size) -> list | None:
+    """Placements of ``t`` that a view to ``size`` can keep: a shard of an input dim the view leaves whole (same
+    size, same elements before it) stays, a shard of a dim the view splits or merges becomes replicated. None when
+    nothing would change. Used when torch refuses to flatten or unflatten an unevenly sharded dim: outside strict mode
+    the tensor is then gathered on those mesh dims and viewed, as the plain op computes (more communication, same
+    values); in strict mode torch's error stands."""
+    shape = tuple(t.shape)
+    size = [int(n) for n in size]
+    if -1 in size:
+        known = math.prod(n for n in size if n != -1)
+        size[size.index(-1)] = math.prod(shape) // known if known else 0
+    whole = set()
+    for d, n in enumerate(shape):
+        before = math.prod(shape[:d])
+        if any(size[j] == n and math.prod(size[:j]) == before for j in range(len(size))):
+            whole.add(d)
+    placements = [Replicate() if p.is_shard() and p.dim not in whole else p for p in t.placements]
+    return None if placements == list(t.placements) else placements
+
+
+def _copy_into_partial(op_call, args: tuple, kwargs: dict):
+    """``dst.copy_(src)`` where ``dst`` is partial on some mesh dim and ``src`` is laid out otherwise.
+
+    torch would redistribute ``src`` to ``dst``'s placements, which has no ``Shard -> Partial`` path. Any value is a
+    valid partial of itself: ``src`` is gathered to replicated on the dims where ``dst`` is partial (kept as ``dst``
+    has it elsewhere) and each rank writes its part: the whole value on the first rank of a ``sum`` dim and zeros on
+    the others; the whole value everywhere for ``avg``, ``max`` and ``min``. Every other copy takes torch's path.
+    """
+    dst, src = args[0], args[1]
+    if (isinstance(dst, DTensor) and isinstance(src, DTensor) and src.device_mesh == dst.device_mesh
+            and any(p.is_partial() for p in dst.placements) and tuple(src.placements) != tuple(dst.placements)):
+        mesh = dst.device_mesh
+        whole = src.redistribute(mesh, [Replicate() if p.is_partial() else p for p in dst.placements])
+        part = torch_internals.local_tensor(whole)
+        for dim, placement in enumerate(dst.placements):
+            if placement.is_partial() and placement.reduce_op == "sum" and mesh.get_local_rank(dim) != 0:
+                part = torch.zeros_like(part)
+        torch_internals.local_tensor(dst).copy_(part, *args[2:], **kwargs)
+        return dst
+    handlers = torch_internals.dtensor_custom_op_handlers()
+    handlers.pop(op_call, None)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = _copy_into_partial
 
 
 _installed = False
@@ -201,8 +300,16 @@ def install() -> None:
     register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
                          schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]))(
         _cpu_flash_attention_backward_strategy)
+    # torch registers a single-dim rule for solve_triangular, which its propagator consults before a full-mesh
+    # strategy: drop it so vescale's rule is the one used
+    propagator = torch_internals.sharding_propagator()
+    propagator.op_single_dim_strategy_funcs.pop(aten.linalg_solve_triangular.default, None)
+    register_op_strategy(aten.linalg_solve_triangular.default,
+                         schema_info=RuntimeSchemaInfo(2, static_kwargkey=["left"]))(_solve_triangular_strategy)
+    propagator.propagate_op_sharding.cache_clear()
     if hasattr(aten, "_grouped_mm"):
         # torch's own extension point for per-op DTensor behaviour (vescale.dtensor.random and loss_parallel use it)
         torch_internals.dtensor_custom_op_handlers()[aten._grouped_mm.default] = _grouped_mm_on_replicated
     torch_internals.dtensor_custom_op_handlers()[aten.view.default] = _view_of_relaid
+    torch_internals.dtensor_custom_op_handlers()[aten.copy_.default] = _copy_into_partial
     _installed = True

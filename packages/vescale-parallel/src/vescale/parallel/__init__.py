@@ -3,11 +3,17 @@
 ``parallelize_module`` driven by a regex-FQN plan (TP and SP) with example plans for common model families,
 Megatron-style DDP with bucketed, overlapped gradient reduction, a ZeRO 1/2 DistributedOptimizer (ZeRO 3 through
 torch's ``fully_shard``), vocab-parallel loss, gradient clipping over nD meshes, ``parallelize_stage`` for captured
-pipeline stages, and compile mode (per block, whole model, pipeline stages).
+pipeline stages, compile mode (per block, whole model, pipeline stages), and activation checkpointing per block
+(``checkpoint_activations``: full or selective, dropout masks replayed bitwise by vescale's RNG).
 """
 
 from __future__ import annotations
 
+from vescale.parallel.activation_checkpoint import (  # activation checkpointing
+    ActivationCheckpointError,
+    checkpoint_activations,
+    checkpointed_blocks,
+)
 from vescale.parallel.clip_grad import clip_grad_norm_, grad_norm, mark_sharded  # part 2: DP/ZeRO
 from vescale.parallel.compile import (  # compile mode
     block_graph_breaks,
@@ -35,3 +41,4 @@ __all__ += ["parallelize_module", "plan_report", "Plan", "check_plan", "PlanRepo
 __all__ += ["parallelize_stage"]  # pipeline stages (vescale-plan)
 __all__ += ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks",
             "CompileError"]  # compile mode
+__all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpointError"]  # activation checkpointing

@@ -313,6 +313,31 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync_enabled = previous
 
+    @torch.no_grad()
+    def reduced_grads(self) -> dict[str, torch.Tensor]:
+        """``{fqn: the dp-averaged gradient}`` of every gradient-requiring parameter, whole on every dp rank.
+
+        Each value is a fresh tensor in ``grad_dtype`` laid out as its parameter is (a DTensor with the parameter's
+        mesh and placements, or a plain tensor), so ``full_tensor()`` gives the single-device gradient. Finishes a
+        pending gradient sync first (a no-op when none is pending), so after ``no_sync`` micro-steps it reduces
+        them. ``zero_stage`` 0/1 copy the reduced buffer; ``zero_stage=2``, whose ranks hold only their slice of each
+        reduced bucket, all-gathers every bucket's slices over dp (one collective per bucket, every dp rank must
+        call it). For inspection (tests, ``train.py --grad-dump``), not for the step: it copies every gradient.
+        """
+        self.finish_grad_sync()
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            data = bucket.data()
+            if bucket.shard_grad is not None and self.dp_size > 1:
+                data = torch.empty_like(data)
+                _all_gather(data, bucket.shard_grad, group=self.dp_group)
+            elif bucket.shard_grad is not None:
+                data = bucket.shard_grad
+            for slot in bucket.slots:
+                at = slot.start - bucket.start
+                out[slot.fqn] = slot.wrap(data[at:at + slot.numel].view(slot.local_shape).clone())
+        return out
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer (every bucket) and the parameters' ``.grad``.
 

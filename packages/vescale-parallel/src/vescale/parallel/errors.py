@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from vescale.core.errors import VescaleError
 
-__all__ = ["DDPError", "ZeroError", "Zero3Error", "LossParallelError", "CompileError"]
+__all__ = ["DDPError", "ZeroError", "Zero3Error", "LossParallelError", "CompileError", "ActivationCheckpointError",
+           "DataDependentError"]
 
 
 class DDPError(VescaleError, ValueError):
@@ -28,3 +29,13 @@ class LossParallelError(VescaleError, ValueError):
 
 class CompileError(VescaleError, ValueError):
     """A model cannot be compiled as asked (no blocks found, dropout active in a block, bad arguments)."""
+
+
+class ActivationCheckpointError(VescaleError, ValueError):
+    """:func:`~vescale.parallel.checkpoint_activations` was given an unknown policy, a pattern naming no block, or a
+    block that is already checkpointed."""
+
+
+class DataDependentError(VescaleError, RuntimeError):
+    """Model code inside a parallelized ``forward`` reads a DTensor's values into Python (``.tolist()``), which
+    DTensor cannot follow (data-dependent control flow such as MoE routing by counts)."""

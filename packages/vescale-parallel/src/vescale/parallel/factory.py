@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
+from vescale.parallel.errors import DataDependentError
 from vescale.parallel.model_calls import CORRECTED_FUNCTIONS, correct_call, mark_unwritten
 
 __all__ = ["FactoryCapture", "FACTORY_FUNCTIONS", "capture_suspended", "compiled_region"]
@@ -82,6 +83,8 @@ class FactoryCapture(TorchFunctionMode):
         self._functions = FACTORY_FUNCTIONS if aten else _TORCH_FACTORIES
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
+        if func is torch.Tensor.tolist and args and isinstance(args[0], DTensor):
+            _refuse_values_read(args[0])
         if not _suspended and func in CORRECTED_FUNCTIONS:
             handled, out, args, kwargs = correct_call(func, args, kwargs or {})
             if handled:
@@ -96,6 +99,21 @@ class FactoryCapture(TorchFunctionMode):
             if not torch.compiler.is_dynamo_compiling():  # a traced graph has no object identity to track
                 mark_unwritten(out)
         return out
+
+
+def _refuse_values_read(t: DTensor) -> None:
+    """Raise :class:`DataDependentError` for ``t.tolist()`` in model code, naming the calling line."""
+    import traceback
+
+    here = __file__.rsplit(".", 1)[0]
+    caller = next((f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(here)
+                   and "/torch/" not in f.filename), None)
+    where = f" at {caller.filename}:{caller.lineno} `{(caller.line or '').strip()}`" if caller else ""
+    raise DataDependentError(
+        f"model code reads a DTensor's values into Python{where}: .tolist() of a {tuple(t.shape)} tensor placed "
+        f"{tuple(t.placements)}. DTensor cannot follow data-dependent control flow (e.g. MoE routing by token "
+        "counts): keep the module that does it replicated in the plan (no sharded parameters or activations reach "
+        "it), or run it on local shards with a 'local' plan entry and check its result against one device")
 
 
 @contextlib.contextmanager

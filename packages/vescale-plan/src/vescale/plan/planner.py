@@ -188,6 +188,10 @@ class Planner:
             self.set_param(e.param, Replicate(), "replicated", "embedding indexed by values computed inside the "
                            "model (e.g. positions): replicated, no reduction needed")
             return
+        if e.param in self.t.transformed_lookups:
+            self.set_param(e.param, Replicate(), "replicated", f"{self.t.transformed_lookups[e.param]} (forward not "
+                           "traced): vocab-parallel partial sums could not be reduced first; replicated")
+            return
         if self.innermost_output(f"{e.param}@embedding", self.stream_ndim) is None:
             # the lookup is transformed (a norm, a scale by a tensor) before any module returns it: a vocab-parallel
             # lookup's partial sums would go through it unreduced (Inkling's embedding normalises inside forward)

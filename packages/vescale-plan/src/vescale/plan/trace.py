@@ -88,6 +88,9 @@ class ModelTrace:
     # module FQN -> the first op in its own code that mixes along the sequence outside attention (a convolution over
     # time, a cumulative sum/scan): state-space and linear-attention mixers, which need the whole sequence
     seq_mixing: dict[str, str] = field(default_factory=dict)
+    # embedding weight -> why its lookup may not reach any module output unchanged (module-tree fallback: an
+    # ``nn.Embedding`` subclass with its own forward); the planner keeps such tables replicated
+    transformed_lookups: dict[str, str] = field(default_factory=dict)
     stack: list[str] = field(default_factory=lambda: [""])
 
     def flops_under(self, prefix: str) -> float:
@@ -373,6 +376,9 @@ def _tree_trace(model: nn.Module, why: str, example_args: tuple | None, example_
 
     for fqn, mod in embeds:
         note(fqn, "embedding", name(mod, fqn), None, 0, None, frozenset(), hidden, fake.get(0))
+        if type(mod).forward is not nn.Embedding.forward:
+            trace.transformed_lookups[name(mod, fqn)] = (f"{type(mod).__name__} overrides nn.Embedding.forward and "
+                                                         "may transform the lookup before returning it")
     for parent_fqn, parent in model.named_modules():
         kids = [(f"{parent_fqn}.{n}" if parent_fqn else n, m) for n, m in parent.named_children()
                 if isinstance(m, nn.Linear)]
@@ -390,4 +396,14 @@ def _tree_trace(model: nn.Module, why: str, example_args: tuple | None, example_
             note(f, "linear", name(m, f), 1, 0, bias(m), frozenset(), m.out_features)
         f, m = kids[r]
         note(f, "linear", name(m, f), 1, 0, bias(m), frozenset(name(c, cf) for cf, c in cols), hidden)
+        convs = {f"{parent_fqn}.{n}" if parent_fqn else n: type(m).__name__ for n, m in parent.named_modules()
+                 if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))}
+        if convs:
+            # a convolution inside (Inkling's short convolutions over q/k/v) may read a projection's output along
+            # its features and the sequence: record it as a sequence mixer and the group as taking the stream, so
+            # the planner keeps the group replicated (see Planner.sequence_mixers)
+            trace.seq_mixing.update(convs)
+            stream = next(ids)
+            trace.shape_of[stream] = (2, 8, hidden)
+            trace.calls.append(ModuleCall(parent_fqn, {0: stream}, {}, frozenset([0])))
     return trace
