@@ -275,10 +275,12 @@ def generate(cfg: GenerateConfig) -> dict:
     prefill_s = stream.times[1] - stream.times[0] if steps >= 1 else float("nan")
     decode_s = stream.times[-1] - stream.times[1] if steps >= 2 else float("nan")
     kv = cache_bytes(out.cache)
-    per_rank = gather_per_rank([peak_memory_mb(), kv, state_bytes([model]), prefill_s, decode_s, steps, load_s],
-                               torch.device("cpu"))
     completions = [None] * dist.get_world_size()
     dist.all_gather_object(completions, new.tolist())
+    # the last collective: gather_per_rank returns only once gloo has let go of its tensors, so a rank that exits
+    # right after it cannot free them from gloo's thread during shutdown (an abort; see tools/report.py)
+    per_rank = gather_per_rank([peak_memory_mb(), kv, state_bytes([model]), prefill_s, decode_s, steps, load_s],
+                               torch.device("cpu"))
     if rank != 0:
         return {}
     groups = [completions[g * tp] for g in range(dp)]  # the first rank of each dp group

@@ -112,3 +112,22 @@ def test_init_distributed_under_torchrun():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "R0/2=2.0" in out.stdout and "R1/2=2.0" in out.stdout
 
+
+
+def test_torchrun_device_choice():
+    """The device each torchrun process takes, for the GPU layouts a launcher can give (run on the CPU: the choice
+    is the function ``init_distributed`` calls)."""
+    import pytest
+
+    from vescale.core.errors import MeshError
+    from vescale.core.launch import torchrun_device
+
+    assert torchrun_device(3, 8, 0) is None  # no GPU: gloo on the CPU
+    assert torchrun_device(3, 8, 8) == 3  # a GPU per process
+    assert torchrun_device(3, 8, 1) == 0  # the scheduler gave each process its own GPU
+    assert torchrun_device(None, 1, 1) == 0  # a plain `python` run on a GPU host
+    with pytest.raises(MeshError, match="8 processes on this node.*4 GPUs visible"):
+        torchrun_device(3, 8, 4)  # was: a silent fallback to gloo
+    assert torchrun_device(5, 8, 4, explicit_backend="nccl") == 1
+    with pytest.raises(MeshError, match="LOCAL_RANK is not set"):
+        torchrun_device(None, 4, 4)  # was: every rank on GPU 0

@@ -5,6 +5,7 @@
   of a mesh dimension, given by name, to its sub-mesh or process group (``dim_mesh``, ``dim_group``).
 - :mod:`vescale.core.blocks`: a model's repeated blocks (``find_blocks``), for compile, ZeRO 3 and pipeline splits.
 - :mod:`vescale.core.comm`: the one collective counter (``count_comms``: calls and bytes per collective, per mesh dim).
+- :mod:`vescale.core.watchdog`: collective timeouts that name the missing rank (``watch_collectives``).
 - :mod:`vescale.core.fqn`: the one matcher of plan patterns against FQNs (``match_plan``).
 - :mod:`vescale.core.errors`: ``VescaleError`` and its subclasses.
 - :mod:`vescale.core.testing`: the pooled multi-rank pytest harness.
@@ -12,7 +13,7 @@
 
 from __future__ import annotations
 
-from vescale.core.errors import MeshError, PlanError, RankError, RankTimeoutError, VescaleError
+from vescale.core.errors import CollectiveTimeoutError, MeshError, PlanError, RankError, RankTimeoutError, VescaleError
 from vescale.core.fqn import PlanMatch, match_plan
 from vescale.core.launch import init_distributed, spawn
 from vescale.core.mesh import dim_group, dim_mesh, dim_size, init_mesh, mesh_coordinates, parse_mesh_spec, sub_mesh
@@ -23,6 +24,7 @@ __all__ = [
     "PlanError",
     "RankError",
     "RankTimeoutError",
+    "CollectiveTimeoutError",
     "PlanMatch",
     "match_plan",
     "spawn",

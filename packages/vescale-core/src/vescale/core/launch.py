@@ -15,7 +15,7 @@ from typing import Any
 from vescale.core._workers import WorkerGroup, _function_ref, _resolve, default_backend
 from vescale.core.watchdog import collective_timeout as collective_timeout_s
 
-__all__ = ["spawn", "init_distributed", "default_backend", "free_port"]
+__all__ = ["spawn", "init_distributed", "default_backend", "torchrun_device", "free_port"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
@@ -66,12 +66,47 @@ def init_distributed(backend: str | None = None, timeout: float | None = None, *
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    backend = backend or default_backend(local_world)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_rank = os.environ.get("LOCAL_RANK")
+    device = torchrun_device(None if local_rank is None else int(local_rank), local_world, gpus,
+                             explicit_backend=backend)
+    backend = backend or ("nccl" if device is not None else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device if device is not None else 0)
     seconds = collective_timeout_s(collective_timeout if collective_timeout is not None else timeout)
     dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
     return dist.get_rank(), dist.get_world_size()
+
+
+def torchrun_device(local_rank: int | None, local_world: int, gpus: int, *,
+                    explicit_backend: str | None = None) -> int | None:
+    """The CUDA device index a launcher's process uses (None: no GPU, gloo on the CPU), from its ``LOCAL_RANK``,
+    the node's process count ``LOCAL_WORLD_SIZE`` and the GPUs this process sees.
+
+    A GPU per process on the node: device ``LOCAL_RANK``. One visible GPU: device 0 (schedulers that give each
+    process its own ``CUDA_VISIBLE_DEVICES``). No GPU: None. Refused with a :class:`~vescale.core.errors.MeshError`,
+    unless a backend was chosen explicitly: some GPUs but fewer than the node's processes (sharing them would be a
+    silent fallback to gloo, or two ranks on one GPU), and a GPU run without ``LOCAL_RANK`` (every rank would take
+    GPU 0).
+    """
+    from vescale.core.errors import MeshError
+
+    if gpus == 0:
+        return None
+    if local_rank is None:
+        if local_world > 1 and explicit_backend is None:
+            raise MeshError(f"{gpus} GPU(s) visible and LOCAL_WORLD_SIZE={local_world}, but LOCAL_RANK is not set: "
+                            "launch with torchrun (which sets it) or set LOCAL_RANK per process")
+        return 0
+    if gpus >= local_world:
+        return local_rank
+    if gpus == 1:
+        return 0
+    if explicit_backend is not None:
+        return local_rank % gpus
+    raise MeshError(f"{local_world} processes on this node (LOCAL_WORLD_SIZE) but {gpus} GPUs visible: start one "
+                    f"process per GPU (--nproc-per-node {gpus}), give each process its own GPU "
+                    "(CUDA_VISIBLE_DEVICES), or pass backend='gloo' to run on the CPU")
 
 
 def free_port() -> int:
