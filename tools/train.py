@@ -154,6 +154,10 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
             for stage in held:
                 checkpoint_activations(stage, cfg.activation_checkpointing, whole=True)
         bytes_built = whole_bytes if cfg.init == "eager" else state_bytes(held)
+        from vescale.parallel.clip_grad import mark_tied_copy
+
+        for p in engine.tied_copies():  # a tied weight held by two stages counts once in the clip norm over pp
+            mark_tied_copy(p)
         optimizer = build_optimizer(engine.parameters(), None, cfg)
         return Trainer(lambda x, y: engine.step(x, y).detach(), engine.parameters(), optimizer,
                        {"model": held, "optim": optimizer}, num_params, init_s, bytes_built,

@@ -9,6 +9,10 @@ The norm is the one a single device computes over the whole model: every gradien
 - A ZeRO shard (the flat fp32 pieces :class:`~vescale.parallel.DistributedOptimizer` owns) is summed over the dp
   group, and over the TP dims where its parameter is sharded; :func:`mark_sharded` records that on the tensor.
 - ``pp_group``: each pipeline stage holds different parameters; their partial sums are added over that group.
+- A parameter held by several pipeline stages (a tied embedding on the first and last stage) has, after the engine
+  summed it over pp, the same gradient on each; it counts once: every holder but one marks its copy with
+  :func:`mark_tied_copy` (``PipeEngine.tied_copies()`` names them), which :func:`grad_norm` leaves out and
+  :func:`clip_grad_norm_` still scales. A ZeRO piece of a marked parameter is marked too.
 
 Collectives: one all-reduce per mesh dim involved (in name order, so every rank agrees), plus one over
 ``pp_group``. Every rank of a group must pass the same kinds of parameters (as in torch DDP).
@@ -25,9 +29,26 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vescale.core.torch_internals import local_tensor
 
-__all__ = ["clip_grad_norm_", "grad_norm", "mark_sharded"]
+__all__ = ["clip_grad_norm_", "grad_norm", "is_tied_copy", "mark_sharded", "mark_tied_copy"]
 
 _SUM_GROUPS = "_vescale_norm_sum_groups"
+_TIED_COPY = "_vescale_norm_tied_copy"
+
+
+def mark_tied_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """Record that ``tensor``'s gradient is a copy of one another pipeline stage holds and counts in the norm.
+
+    :func:`grad_norm` leaves ``tensor`` out; :func:`clip_grad_norm_` still scales its gradient, so every copy of a
+    tied weight stays equal. Mark every holder of a tied parameter but one (``PipeEngine.tied_copies()``). Returns
+    ``tensor``.
+    """
+    setattr(tensor, _TIED_COPY, True)
+    return tensor
+
+
+def is_tied_copy(tensor: torch.Tensor) -> bool:
+    """Whether :func:`mark_tied_copy` marked ``tensor``."""
+    return bool(getattr(tensor, _TIED_COPY, False))
 
 
 def mark_sharded(tensor: torch.Tensor, groups: Mapping[str, dist.ProcessGroup]) -> torch.Tensor:
@@ -67,7 +88,8 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
     """The ``norm_type``-norm of all gradients of ``parameters`` as one device would compute it (a 0-d fp32 tensor).
 
     Partial results are keyed by the names of the mesh dims they must be summed over, so that the ranks of a group
-    agree on what each entry of the all-reduced vector means whatever their coordinates.
+    agree on what each entry of the all-reduced vector means whatever their coordinates. Tensors marked by
+    :func:`mark_tied_copy` are left out (another pipeline stage counts their gradient).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -78,6 +100,8 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
     device = param_device = None
     for p in parameters:
         param_device = param_device or p.device
+        if is_tied_copy(p):
+            continue
         g, groups = _grad_piece(p)
         if g is None:
             continue

@@ -114,10 +114,19 @@ class DistributedDataParallel(nn.Module):
 
     Inside :meth:`no_sync` backward only accumulates locally; the next backward outside it reduces the sum.
     Every rank of the dp group must run the same backward passes (same parameters receive gradients).
+
+    ``late_params``: parameters whose gradient someone else completes after backward and before the reduction (a
+    pipeline engine summing a tied weight's gradient over its pp stages). They get their own trailing bucket(s),
+    which backward never launches: the end of a synchronised backward launches the other buckets' reductions and
+    leaves them in flight; :meth:`finish_grad_sync` (call it before the next backward) then reduces the late ones and
+    waits for all, so every gradient element is still reduced over dp exactly once. ``wait_in_backward=False``
+    leaves the reductions in flight at the end of backward in any case (for a caller with more work after it, a
+    pipeline sending gradients upstream); then call :meth:`finish_grad_sync` before reading the gradients.
     """
 
     def __init__(self, module: nn.Module, mesh, *, bucket_size_mb: float = 25, overlap: bool = True,
-                 grad_dtype: torch.dtype | None = torch.float32, zero_stage: int = 0) -> None:
+                 grad_dtype: torch.dtype | None = torch.float32, zero_stage: int = 0,
+                 late_params=(), wait_in_backward: bool = True) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2):
             hint = " (ZeRO 3 is torch's fully_shard over the dp sub-mesh; see the README)" if zero_stage == 3 else ""
@@ -138,11 +147,15 @@ class DistributedDataParallel(nn.Module):
         self._callback_queued = False
         self._next_launch = 0
         self._dirty = False  # some gradient reached the buffer since the last finish_grad_sync
+        self._early_done = False  # the end of backward launched every bucket but the late ones
+        self.wait_in_backward = wait_in_backward
         self._validate(module)
+        self._late = {id(p) for p in late_params}
         self.grad_buffers: list[_GradBuffer] = []
         self.buckets: list[_Bucket] = []
         self.slots: dict[nn.Parameter, _Slot] = {}
         self._build_buffers(module)
+        self._num_early = sum(1 for b in self.buckets if not any(id(s.param) in self._late for s in b.slots))
         self._broadcast_params()
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._make_hook(slot))
                        for slot in self.slots.values()]
@@ -168,10 +181,11 @@ class DistributedDataParallel(nn.Module):
         # Backward visits parameters roughly in reverse registration order: fill buckets in that order so the first
         # bucket completes first.
         params = [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad][::-1]
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+        by_dtype: dict[tuple[bool, torch.dtype, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
         for fqn, p in params:
-            by_dtype.setdefault((p.dtype, self.grad_dtype or p.dtype), []).append((fqn, p))
-        for (pdtype, gdtype), group in by_dtype.items():
+            by_dtype.setdefault((id(p) in self._late, p.dtype, self.grad_dtype or p.dtype), []).append((fqn, p))
+        # late parameters' buffers (and so buckets) come after all the others
+        for (_, pdtype, gdtype), group in sorted(by_dtype.items(), key=lambda kv: kv[0][0]):
             elem = torch.empty((), dtype=gdtype).element_size()
             layout: list[tuple[int, int, list[tuple[str, nn.Parameter, int]]]] = []  # (start, end, members)
             offset, members, bucket_start = 0, [], 0
@@ -253,7 +267,7 @@ class DistributedDataParallel(nn.Module):
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
+        while self._next_launch < self._num_early:
             bucket = self.buckets[self._next_launch]
             if bucket.ready < len(bucket.slots):
                 return
@@ -276,24 +290,37 @@ class DistributedDataParallel(nn.Module):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         if self._sync_enabled:
-            self.finish_grad_sync()
+            self._finish(late=False)
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
         """Launch the buckets not yet reduced, wait for every reduction, and expose the averaged gradients.
 
-        Called automatically at the end of a synchronised backward; calling it again is a no-op until the next
-        backward. Parameters that got no gradient contribute zeros.
+        Called automatically at the end of a synchronised backward (which leaves the ``late_params`` buckets
+        pending); calling it again is a no-op until the next backward. Parameters that got no gradient contribute
+        zeros.
         """
+        self._finish(late=True)
+
+    def _finish(self, late: bool) -> None:
         if not self._dirty:
             return
-        for bucket in self.buckets[self._next_launch:]:
+        if not self._early_done:
+            for bucket in self.buckets[self._next_launch:self._num_early]:
+                self._launch(bucket)
+            self._early_done = True
+        if not late and (self._num_early < len(self.buckets) or not self.wait_in_backward):
+            # Leave the reductions in flight: a pipeline sends its last gradients meanwhile; the late buckets and
+            # the wait for all of them are finish_grad_sync's.
+            return
+        for bucket in self.buckets[self._num_early:]:
             self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.work, bucket.ready, bucket.launched = None, 0, False
         self._next_launch = 0
+        self._early_done = False
         self._dirty = False
         if self.zero_stage:
             return  # DistributedOptimizer reads the buffer (zero_stage 1) or the shard (zero_stage 2)

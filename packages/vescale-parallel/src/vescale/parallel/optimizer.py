@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vescale.dtensor import RaggedShard
-from vescale.parallel.clip_grad import _dtensor_groups, clip_grad_norm_, mark_sharded
+from vescale.parallel.clip_grad import _dtensor_groups, clip_grad_norm_, is_tied_copy, mark_sharded, mark_tied_copy
 from vescale.parallel.ddp import DistributedDataParallel, _all_gather, _Bucket, _Slot, local_tensor
 from vescale.parallel.errors import ZeroError
 
@@ -90,7 +90,8 @@ class DistributedOptimizer:
     gradients; its ``zero_stage`` must be 2 for ``zero_stage=2`` and 0 or 1 for ``zero_stage=1``.
     ``optimizer_cls_or_instance`` is an optimizer class (built with ``**kw`` over this rank's master pieces) or a
     freshly built instance over ``module``'s parameters (its param groups and defaults are reused; it must have no
-    state yet). ``master_dtype`` is the dtype of
+    state yet); parameters marked by :func:`~vescale.parallel.clip_grad.mark_tied_copy` before construction (a
+    pipeline-tied weight's later copies) are left out of the clip norm. ``master_dtype`` is the dtype of
     the master weights and optimizer states (fp32 for bf16 models). ``clip_grad`` clips the global gradient norm
     (over dp, TP shards and ``pp_group``) before each step; the norm is kept in :attr:`grad_norm`.
 
@@ -174,6 +175,8 @@ class DistributedOptimizer:
                 if isinstance(slot.param, DTensor):
                     groups.update(_dtensor_groups(slot.param))
                 mark_sharded(master, groups)
+                if is_tied_copy(slot.param):  # a pipeline-tied weight another stage counts in the norm
+                    mark_tied_copy(master)
                 pieces[slot.param] = _Piece(slot, lo, hi, master, grad, aliased)
         return pieces
 

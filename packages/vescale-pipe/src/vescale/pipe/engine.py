@@ -12,13 +12,27 @@ per step, first one ``all_gather`` over the pp group of a fixed-size int64 descr
 rank was passed (presence, shapes, dtypes; see ``_describe_batch``), so that a bad or missing batch raises the
 same :class:`PipeError` on every pp rank before any stage waits on another; then p2p sends/receives between
 neighbouring stages (tagged, batched), one ``all_reduce`` over the pp group for parameters held by several stages
-(tied embeddings), one ``all_reduce`` over ``dp`` (when given) of every local gradient, and one ``broadcast`` of the
-loss from the rank holding the last stage. Every tensor these collectives touch lives on :attr:`PipeEngine.device`,
+(tied embeddings), one ``all_reduce`` over ``dp`` (when given) of every local gradient not reduced by a stage that
+owns its dp reduction (see below), and one ``broadcast`` of the loss from the rank holding the last stage. Every tensor these collectives touch lives on :attr:`PipeEngine.device`,
 the rank's device (``cuda:<current>`` when the pp group is NCCL, else the stages' parameters' device, else CPU).
+
+Data parallelism, two ways. (1) ``dp_group``: after the step, one flat ``all_reduce`` per gradient dtype averages
+every local gradient over dp, not overlapped with anything (for stages that are plain modules). (2) Stages that own
+their dp gradient reduction: :meth:`PipeEngine.wrap_stages` replaces each local stage by a module implementing the
+*grad-sync protocol* - ``no_sync()`` (a context manager: backward inside only accumulates locally) and
+``finish_grad_sync()`` (complete the reduction) - such as ``vescale.parallel.DistributedDataParallel``. For such a
+stage the engine runs every backward action but the stage's last weight-gradient one (its last ``B`` or ``BW`` of
+the step) under ``no_sync()``, so the stage's own reducer starts reducing during the last microbatch's backward,
+overlapped with the rest of it; after the tied-weight sum over pp it calls ``finish_grad_sync()``, and the flat
+dp all-reduce skips that stage's parameters. The wrapper is told which of the stage's parameters are tied
+(``late`` in :meth:`PipeEngine.wrap_stages`): their gradients are complete only after the pp sum, so it must leave
+them to ``finish_grad_sync()`` (``DistributedDataParallel(late_params=...)``). vescale-pipe does not import the
+reducer: ``tools/train.py`` composes the two.
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -172,6 +186,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor | None:
+    """Where ``p``'s accumulated gradient lives, as a local tensor: the ``main_grad`` a dp reducer keeps it in (its
+    buffer, when the reducer accumulates in another dtype than the parameter's), else ``.grad``."""
+    main = getattr(p, "main_grad", None)
+    if main is not None:
+        return main
+    return None if p.grad is None else _local(p.grad)
+
+
 def _plain(t: Any) -> Any:
     """A DTensor activation or loss as a plain full tensor (differentiable; a collective only if it is sharded)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -248,6 +271,9 @@ class PipeEngine:
             for n, meta in inf.items():
                 holders.setdefault(n, []).append((r, meta))
         self.shared = {n: h[0][1] for n, h in sorted(holders.items()) if len(h) > 1}
+        self._first_holder = {n: h[0][0] for n, h in holders.items()}  # the lowest pp rank holding each name
+        self._sync_owners: dict[int, nn.Module] = {}  # local stage -> its module owning its dp reduction
+        self._last_weight_action: dict[int, tuple[str, int]] = {}  # local stage -> (op, mb) of its last B / BW
         #: The device of every tensor the engine communicates (see the module docstring).
         self.device = _rank_device(self.group, [p for ps in self._params.values() for p in ps])
         self._step = 0
@@ -265,6 +291,55 @@ class PipeEngine:
         if dp_group is None and pp.ndim > 1:
             dp_group = (dim_group(pp, "dp", whole_if_1d=False) or (None,))[0]
         return found[0], dp_group, pp
+
+    def tied_parameters(self, stage: int) -> list[nn.Parameter]:
+        """This rank's parameters of local stage ``stage`` that are tied to a parameter of another stage.
+
+        Their gradients are complete only after the engine sums them over pp (or over this rank's stages) at the end
+        of a step: a stage owning its dp reduction must reduce them only when :meth:`finish_grad_sync` is called.
+        """
+        module = self._sync_owners.get(stage, self.stages[stage])
+        tied = {id(p) for n, ps in self._params.items() if n in self.shared or len(ps) > 1 for p in ps}
+        return [p for p in module.parameters() if id(p) in tied]
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """The local parameters whose gradient, after a step, another holder also has and counts in a global norm.
+
+        A tied weight held by several stages has after :meth:`step` the same summed gradient on each holder. It is
+        counted by its lowest pp rank's first local copy; every other copy is listed here (mark them with
+        ``vescale.parallel.clip_grad.mark_tied_copy`` so that a gradient norm over pp counts the weight once).
+        """
+        out = []
+        for name, ps in self._params.items():
+            first = self._first_holder.get(name, self.pp_rank) == self.pp_rank
+            out += ps[1:] if first else ps
+        return out
+
+    def wrap_stages(self, wrap: Callable[[int, nn.Module, list[nn.Parameter]], nn.Module]) -> None:
+        """Replace each local stage ``s`` by ``wrap(s, stage, late)``, e.g. to own its dp gradient reduction.
+
+        ``late`` is :meth:`tied_parameters` of the stage. The returned module runs the stage's forward and keeps its
+        parameters (the same tensors). When it follows the grad-sync protocol (``no_sync()`` and
+        ``finish_grad_sync()``, see the module docstring) it owns the stage's dp reduction from the next step on:
+        earlier backward actions run under ``no_sync()``, ``finish_grad_sync()`` follows the tied-weight sum, and
+        ``dp_group``'s flat all-reduce skips its parameters. Raises :class:`PipeError` (no collective issued) when a
+        parameter is held by two local stages and either becomes a reduction owner (two reducers of one gradient).
+        """
+        wrapped = {s: wrap(s, m, self.tied_parameters(s)) for s, m in self.stages.items()}
+        owners = {s: m for s, m in wrapped.items() if callable(getattr(m, "no_sync", None))
+                  and callable(getattr(m, "finish_grad_sync", None))}
+        if owners and len(self.stages) > 1:
+            seen: dict[int, int] = {}
+            for s, m in self.stages.items():
+                for p in m.parameters():
+                    other = seen.setdefault(id(p), s)
+                    if other != s and (s in owners or other in owners):
+                        raise PipeError(f"a parameter of shape {tuple(p.shape)} is held by local stages {other} and "
+                                        f"{s} of pp rank {self.pp_rank}; two dp reducers cannot own one gradient")
+        self.stages = wrapped
+        self._sync_owners = owners
+        acts = self.schedule.actions[self.pp_rank]
+        self._last_weight_action = {a.stage: (a.op, a.mb) for a in acts if a.op in ("B", "BW")}
 
     def parameters(self) -> list[nn.Parameter]:
         """The distinct trainable parameters of this rank's stages (give them to the optimizer)."""
@@ -303,7 +378,7 @@ class PipeEngine:
         self._losses: dict = {}
         self._sends: list = []
         # Tied gradients are summed over ranks per step: keep what .grad held before, sum only this step's part.
-        self._before = {n: [None if p.grad is None else _local(p.grad).clone() for p in self._params.get(n, [])]
+        self._before = {n: [None if _grad(p) is None else _grad(p).clone() for p in self._params.get(n, [])]
                         for n in self.shared}
         acts = self.schedule.actions[self.pp_rank]
         i = 0
@@ -326,6 +401,9 @@ class PipeEngine:
             raise ScheduleError(f"schedule {self.schedule.name!r} left work undone on pp rank {self.pp_rank}: "
                                 f"{leftovers}")
         self._reduce_shared()
+        for module in self._sync_owners.values():
+            with span("dp grad sync (tied)", "collective"):
+                module.finish_grad_sync()
         self._reduce_dp()
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if S - 1 in self.stages:
@@ -372,8 +450,11 @@ class PipeEngine:
     def _compute(self, a) -> None:
         s, m = a.stage, a.mb
         S = self.num_stages
+        owner = self._sync_owners.get(s)
+        # a stage owning its dp reduction reduces during its last weight-gradient backward only
+        quiet = owner is not None and a.op != "F" and self._last_weight_action.get(s) != (a.op, m)
         with span(f"{a.op}{m}" + (f"s{s}" if len(self.local_ids) > 1 else ""), _CATEGORY[a.op],
-                  stage=s, mb=m, step=self._step):
+                  stage=s, mb=m, step=self._step), owner.no_sync() if quiet else contextlib.nullcontext():
             if a.op == "F":
                 self._forward(s, m)
                 return
@@ -510,8 +591,8 @@ class PipeEngine:
             if ps:
                 total = torch.zeros_like(_local(ps[0]))
                 for p, old in zip(ps, self._before[name]):
-                    if p.grad is not None:
-                        total += _local(p.grad) if old is None else _local(p.grad) - old
+                    if _grad(p) is not None:
+                        total += _grad(p) if old is None else _grad(p) - old
                 flat.append(total.reshape(-1))
             else:
                 flat.append(torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device).reshape(-1))
@@ -525,17 +606,18 @@ class PipeEngine:
                 value = buf[offset:offset + n].view(shape)
                 if old is not None:
                     value = old + value
-                if p.grad is None:
+                if _grad(p) is None:
                     p.grad = value.clone()
                 else:
-                    _local(p.grad).copy_(value)
+                    _grad(p).copy_(value)
             offset += n
 
     def _reduce_dp(self) -> None:
         """Average every local gradient over the data-parallel group (stage replicas)."""
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
             return
-        params = [p for p in self.parameters() if p.grad is not None]
+        owned = {id(p) for m in self._sync_owners.values() for p in m.parameters()}
+        params = [p for p in self.parameters() if p.grad is not None and id(p) not in owned]
         if not params:
             return
         n = dist.get_world_size(self.dp_group)

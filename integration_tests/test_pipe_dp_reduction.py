@@ -1,0 +1,138 @@
+"""One dp gradient reduction for pipeline stages, ZeRO over stages, and a clip norm that counts a tied weight once.
+
+A two-stage model whose embedding is tied to its output projection (stage 0 embeds, the last stage projects with the
+same weight) runs on ``pp=2 x dp=2`` with each stage in its own ``DistributedDataParallel``
+(``PipeEngine.wrap_stages``). Against the same model on one device, in plain torch: every gradient (the tied one is
+the sum of both uses), the clip norm, and (ZeRO-2) the clipped update. The collectives over dp are the DDP buckets'
+reductions only (no flat all-reduce beside them), and the norm without marking the tied copy counts it twice (what
+``clip_grad_norm_(pp_group=...)`` returned before), which shows the model exercises the tie.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+V, D, SEQ, BATCH, M = 16, 8, 4, 8, 2  # vocab, width, sequence, global batch, microbatches per dp rank
+MAX_NORM = 0.05  # below the norm, so clipping scales every gradient
+
+
+class _Whole(nn.Module):
+    """The single-device model: the embedding weight is used twice (input embedding and output projection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.l1, self.l2 = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l2(torch.tanh(self.l1(self.emb(x))))) @ self.emb.weight.T
+
+
+class _First(nn.Module):
+    def __init__(self, whole: _Whole) -> None:
+        super().__init__()
+        self.emb, self.l1 = nn.Embedding(V, D), nn.Linear(D, D)
+        self.load_state_dict({k: v for k, v in whole.state_dict().items() if k.split(".")[0] in ("emb", "l1")})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l1(self.emb(x)))
+
+
+class _Last(nn.Module):
+    """Holds its own ``emb.weight``: the same FQN as stage 0's, so the engine ties them."""
+
+    def __init__(self, whole: _Whole) -> None:
+        super().__init__()
+        self.emb, self.l2 = nn.Embedding(V, D), nn.Linear(D, D)
+        self.load_state_dict({k: v for k, v in whole.state_dict().items() if k.split(".")[0] in ("emb", "l2")})
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l2(h)) @ self.emb.weight.T
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+
+
+def _reference(x: torch.Tensor, y: torch.Tensor) -> tuple[_Whole, dict, float, dict, dict]:
+    """Plain torch on one device: model, gradients, clip norm, clipped gradients, params after one SGD(lr=1) step."""
+    torch.manual_seed(0)
+    whole = _Whole()
+    _loss(whole(x), y).backward()
+    grads = {n: p.grad.clone() for n, p in whole.named_parameters()}
+    norm = float(torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM))
+    clipped = {n: p.grad.clone() for n, p in whole.named_parameters()}
+    stepped = {n: (p - p.grad).detach() for n, p in whole.named_parameters()}
+    return whole, grads, norm, clipped, stepped
+
+
+def _run(zero: int) -> dict:
+    """On each of 4 ranks (pp=2 x dp=2): one pipeline step with DDP stages; what the test compares."""
+    from vescale.core.comm import count_comms
+    from vescale.core.mesh import init_mesh, sub_mesh
+    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, clip_grad_norm_
+    from vescale.parallel.clip_grad import grad_norm, mark_tied_copy
+    from vescale.pipe import PipeEngine
+
+    mesh = init_mesh("pp=2,dp=2")
+    pp, dp = sub_mesh(mesh, "pp"), sub_mesh(mesh, "dp")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (BATCH, SEQ), generator=g), torch.randint(0, V, (BATCH, SEQ), generator=g)
+    whole, ref_grads, ref_norm, ref_clipped, ref_stepped = _reference(x, y)
+    mine = x.chunk(2)[dp.get_local_rank()], y.chunk(2)[dp.get_local_rank()]
+    stage = (_First if pp.get_local_rank() == 0 else _Last)(whole)
+    engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss)
+    for p in engine.tied_copies():
+        mark_tied_copy(p)
+    ddps = []
+    engine.wrap_stages(lambda s, module, late: ddps.append(DistributedDataParallel(
+        module, dp, zero_stage=zero, late_params=late, wait_in_backward=False)) or ddps[-1])
+    ddp = ddps[0]
+    with count_comms(mesh) as counter:
+        engine.step(*mine)
+        ddp.finish_grad_sync()  # a no-op: the engine finished it (counted if it were not)
+    dp_comms = counter.dim_counts.get("dp", {})
+    out = {"dp_comms": dict(dp_comms), "buckets": len(ddp.buckets), "errors": []}
+    got = ddp.reduced_grads()
+    for name, ref in ref_grads.items():
+        if name in got and not torch.allclose(got[name], ref, rtol=1e-5, atol=1e-7):
+            out["errors"].append(f"gradient of {name}: max error {(got[name] - ref).abs().max():.3g}")
+    out["checked"] = sorted(set(got) & set(ref_grads))
+    if zero == 0:
+        # the norm without the tied mark: the tied weight once per stage holding it
+        unmarked = [nn.Parameter(p.detach()) for p in engine.parameters()]
+        for u, p in zip(unmarked, engine.parameters()):
+            u.grad = p.grad.clone()
+        out["unmarked_norm"] = float(grad_norm(unmarked, pp_group=pp.get_group()))
+        out["norm"] = float(clip_grad_norm_(engine.parameters(), MAX_NORM, pp_group=pp.get_group()))
+        for name, p in stage.named_parameters():
+            if not torch.allclose(p.grad, ref_clipped[name], rtol=1e-5, atol=1e-8):
+                out["errors"].append(f"clipped gradient of {name} differs from one device's")
+    else:
+        opt = DistributedOptimizer(ddp, torch.optim.SGD, zero_stage=2, clip_grad=MAX_NORM, pp_group=pp.get_group(),
+                                   lr=1.0)
+        opt.step()
+        out["norm"] = float(opt.grad_norm)
+        for name, p in stage.named_parameters():
+            if not torch.allclose(p.detach(), ref_stepped[name], rtol=1e-5, atol=1e-7):
+                out["errors"].append(f"{name} after the clipped ZeRO-2 step differs from one device's")
+    out["ref_norm"] = ref_norm
+    return out
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_pipeline_stages_in_ddp_match_one_device_and_clip_counts_tied_weights_once(zero, ranks):
+    results = ranks(_run, 4, zero)
+    checked = set()
+    for rank, r in enumerate(results):
+        assert not r["errors"], f"rank {rank}: {r['errors']}"
+        checked |= set(r["checked"])
+        # One dp reduction path: exactly one bucket collective per DDP bucket, nothing else over dp.
+        want = {"all_reduce" if zero == 0 else "reduce_scatter_tensor": r["buckets"]}
+        assert r["dp_comms"] == want, f"rank {rank}: collectives over dp {r['dp_comms']}, expected {want}"
+        assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-5), (rank, r["norm"], r["ref_norm"])
+        if zero == 0:
+            # counted twice without the mark: the test model exercises the tie
+            assert r["unmarked_norm"] > r["ref_norm"] * (1 + 1e-3), (rank, r["unmarked_norm"], r["ref_norm"])
+    assert checked == {"emb.weight", "l1.weight", "l1.bias", "l2.weight", "l2.bias"}
