@@ -63,6 +63,7 @@ from vescale.core.errors import CollectiveTimeoutError
 
 __all__ = ["ENV_VAR", "DEFAULT_TIMEOUT_S", "collective_timeout", "set_collective_timeout", "CollectiveRecord",
            "CollectiveRing", "watch_collectives", "is_collective_failure", "diagnose", "describe", "call_site",
+           "user_frame",
            "flight_recorder"]
 
 #: The environment variable that sets the collective timeout in seconds where no argument does.
@@ -215,16 +216,22 @@ def _user_file(filename: str) -> str | None:
     return file if rel.startswith("..") else rel
 
 
-def call_site() -> str:
-    """``file:line in function`` of the innermost frame on this thread outside torch, vescale and the standard
-    library (``?`` when there is none); ``file`` relative to the working directory when under it."""
+def user_frame() -> tuple[str, int, str] | None:
+    """``(file, line, function)`` of the innermost frame on this thread outside torch, vescale and the standard
+    library (None when there is none); ``file`` relative to the working directory when under it."""
     frame = sys._getframe(1)
     while frame is not None:
         shown = _user_file(frame.f_code.co_filename)
         if shown is not None:
-            return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
+            return shown, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
-    return "?"
+    return None
+
+
+def call_site() -> str:
+    """``file:line in function`` of :func:`user_frame` (``?`` when there is none)."""
+    where = user_frame()
+    return "?" if where is None else f"{where[0]}:{where[1]} in {where[2]}"
 
 
 # ------------------------------------------------------------------------------------------------------ the watch

@@ -42,7 +42,8 @@ reached through :mod:`vescale.core.torch_internals`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -222,22 +223,31 @@ def _view_of_relaid(op_call, args: tuple, kwargs: dict):
     call) takes the view path and fails on the local tensor. Here the local tensor is then laid out as declared (a
     copy; the values are the same) and viewed; a view that is invalid for the declared strides too still raises.
     """
+    with _torch_path(op_call, _view_of_relaid):
+        try:
+            return op_call(*args, **kwargs)
+        except RuntimeError as e:
+            if not isinstance(args[0], DTensor):
+                raise
+            if "view size is not compatible" in str(e):
+                return op_call(relaid_as_declared(args[0]), *args[1:], **kwargs)
+            if "unevenly sharded" in str(e) and not is_strict():
+                placements = _placements_through_view(args[0], args[1])
+                if placements is not None:
+                    return op_call(args[0].redistribute(args[0].device_mesh, placements), *args[1:], **kwargs)
+            raise
+
+
+@contextmanager
+def _torch_path(op_call, handler: Callable) -> Iterator[None]:
+    """Inside, ``op_call`` on DTensors takes torch's own dispatch: ``handler`` (this module's handler for it) is
+    out of torch's custom-handler table, so calling the op again does not re-enter the handler."""
     handlers = torch_internals.dtensor_custom_op_handlers()
     handlers.pop(op_call, None)
     try:
-        return op_call(*args, **kwargs)
-    except RuntimeError as e:
-        if not isinstance(args[0], DTensor):
-            raise
-        if "view size is not compatible" in str(e):
-            return op_call(relaid_as_declared(args[0]), *args[1:], **kwargs)
-        if "unevenly sharded" in str(e) and not is_strict():
-            placements = _placements_through_view(args[0], args[1])
-            if placements is not None:
-                return op_call(args[0].redistribute(args[0].device_mesh, placements), *args[1:], **kwargs)
-        raise
+        yield
     finally:
-        handlers[op_call] = _view_of_relaid
+        handlers[op_call] = handler
 
 
 def _placements_through_view(t: DTensor, size) -> list | None:
@@ -279,12 +289,8 @@ def _copy_into_partial(op_call, args: tuple, kwargs: dict):
                 part = torch.zeros_like(part)
         torch_internals.local_tensor(dst).copy_(part, *args[2:], **kwargs)
         return dst
-    handlers = torch_internals.dtensor_custom_op_handlers()
-    handlers.pop(op_call, None)
-    try:
+    with _torch_path(op_call, _copy_into_partial):
         return op_call(*args, **kwargs)
-    finally:
-        handlers[op_call] = _copy_into_partial
 
 
 _installed = False

@@ -147,7 +147,6 @@ class DistributedDataParallel(nn.Module):
         self._callback_queued = False
         self._next_launch = 0
         self._dirty = False  # some gradient reached the buffer since the last finish_grad_sync
-        self._early_done = False  # the end of backward launched every bucket but the late ones
         self.wait_in_backward = wait_in_backward
         self._validate(module)
         self._late = {id(p) for p in late_params}
@@ -305,10 +304,8 @@ class DistributedDataParallel(nn.Module):
     def _finish(self, late: bool) -> None:
         if not self._dirty:
             return
-        if not self._early_done:
-            for bucket in self.buckets[self._next_launch:self._num_early]:
-                self._launch(bucket)
-            self._early_done = True
+        for bucket in self.buckets[self._next_launch:self._num_early]:  # empty once launched (_launch advances)
+            self._launch(bucket)
         if not late and (self._num_early < len(self.buckets) or not self.wait_in_backward):
             # Leave the reductions in flight: a pipeline sends its last gradients meanwhile; the late buckets and
             # the wait for all of them are finish_grad_sync's.
@@ -320,7 +317,6 @@ class DistributedDataParallel(nn.Module):
                 bucket.work.wait()
             bucket.work, bucket.ready, bucket.launched = None, 0, False
         self._next_launch = 0
-        self._early_done = False
         self._dirty = False
         if self.zero_stage:
             return  # DistributedOptimizer reads the buffer (zero_stage 1) or the shard (zero_stage 2)

@@ -103,12 +103,15 @@ class FactoryCapture(TorchFunctionMode):
 
 def _refuse_values_read(t: DTensor) -> None:
     """Raise :class:`DataDependentError` for ``t.tolist()`` in model code, naming the calling line."""
-    import traceback
+    import linecache
 
-    here = __file__.rsplit(".", 1)[0]
-    caller = next((f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(here)
-                   and "/torch/" not in f.filename), None)
-    where = f" at {caller.filename}:{caller.lineno} `{(caller.line or '').strip()}`" if caller else ""
+    from vescale.core.watchdog import user_frame
+
+    caller = user_frame()
+    where = ""
+    if caller is not None:
+        file, line, _ = caller
+        where = f" at {file}:{line} `{linecache.getline(file, line).strip()}`"
     raise DataDependentError(
         f"model code reads a DTensor's values into Python{where}: .tolist() of a {tuple(t.shape)} tensor placed "
         f"{tuple(t.placements)}. DTensor cannot follow data-dependent control flow (e.g. MoE routing by token "

@@ -13,8 +13,8 @@ rank was passed (presence, shapes, dtypes; see ``_describe_batch``), so that a b
 same :class:`PipeError` on every pp rank before any stage waits on another; then p2p sends/receives between
 neighbouring stages (tagged, batched), one ``all_reduce`` over the pp group for parameters held by several stages
 (tied embeddings), one ``all_reduce`` over ``dp`` (when given) of every local gradient not reduced by a stage that
-owns its dp reduction (see below), and one ``broadcast`` of the loss from the rank holding the last stage. Every tensor these collectives touch lives on :attr:`PipeEngine.device`,
-the rank's device (``cuda:<current>`` when the pp group is NCCL, else the stages' parameters' device, else CPU).
+owns its dp reduction (see below), and one ``broadcast`` of the loss from the rank holding the last stage. Every
+tensor these collectives touch lives on :attr:`PipeEngine.device`, the rank's device (``cuda:<current>`` when the pp group is NCCL, else the stages' parameters' device, else CPU).
 
 Data parallelism, two ways. (1) ``dp_group``: after the step, one flat ``all_reduce`` per gradient dtype averages
 every local gradient over dp, not overlapped with anything (for stages that are plain modules). (2) Stages that own
@@ -27,7 +27,7 @@ overlapped with the rest of it; after the tied-weight sum over pp it calls ``fin
 dp all-reduce skips that stage's parameters. The wrapper is told which of the stage's parameters are tied
 (``late`` in :meth:`PipeEngine.wrap_stages`): their gradients are complete only after the pp sum, so it must leave
 them to ``finish_grad_sync()`` (``DistributedDataParallel(late_params=...)``). vescale-pipe does not import the
-reducer: ``tools/train.py`` composes the two.
+reducer: the caller composes the two (``tools/train.py`` does not yet; see the README).
 """
 
 from __future__ import annotations
@@ -378,7 +378,7 @@ class PipeEngine:
         self._losses: dict = {}
         self._sends: list = []
         # Tied gradients are summed over ranks per step: keep what .grad held before, sum only this step's part.
-        self._before = {n: [None if _grad(p) is None else _grad(p).clone() for p in self._params.get(n, [])]
+        self._before = {n: [None if (g := _grad(p)) is None else g.clone() for p in self._params.get(n, [])]
                         for n in self.shared}
         acts = self.schedule.actions[self.pp_rank]
         i = 0
@@ -591,8 +591,9 @@ class PipeEngine:
             if ps:
                 total = torch.zeros_like(_local(ps[0]))
                 for p, old in zip(ps, self._before[name]):
-                    if _grad(p) is not None:
-                        total += _grad(p) if old is None else _grad(p) - old
+                    g = _grad(p)
+                    if g is not None:
+                        total += g if old is None else g - old
                 flat.append(total.reshape(-1))
             else:
                 flat.append(torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device).reshape(-1))
@@ -606,10 +607,11 @@ class PipeEngine:
                 value = buf[offset:offset + n].view(shape)
                 if old is not None:
                     value = old + value
-                if _grad(p) is None:
+                g = _grad(p)
+                if g is None:
                     p.grad = value.clone()
                 else:
-                    _grad(p).copy_(value)
+                    g.copy_(value)
             offset += n
 
     def _reduce_dp(self) -> None:
