@@ -58,7 +58,8 @@ def integration(session: nox.Session) -> None:
     Select part of the matrix with pytest options, e.g. ``nox -s integration -- -k ws4``.
     """
     _install(session, list(PACKAGES))
-    session.install("--no-compile", "transformers>=4.45", "matplotlib")
+    # tokenizers: train.py's data (tools/prepare_data.py: the default corpus's BPE, --tokenizer DIR)
+    session.install("--no-compile", "transformers>=4.45", "tokenizers", "matplotlib")
     session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "integration_tests"), *session.posargs)
 
 
@@ -70,7 +71,7 @@ def train(session: nox.Session) -> None:
     pp=2,dp=2,tp=2 --steps 100`` picks another mesh.
     """
     _install(session, list(PACKAGES), extras="")
-    session.install("--no-compile", "matplotlib")
+    session.install("--no-compile", "tokenizers", "matplotlib")  # tokenizers: the default corpus's BPE
     session.run("python", str(ROOT / "tools" / "train.py"), *session.posargs)
 
 

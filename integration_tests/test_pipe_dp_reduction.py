@@ -5,7 +5,9 @@ same weight) runs on ``pp=2 x dp=2`` with each stage in its own ``DistributedDat
 (``PipeEngine.wrap_stages``). Against the same model on one device, in plain torch: every gradient (the tied one is
 the sum of both uses), the clip norm, and (ZeRO-2) the clipped update. The collectives over dp are the DDP buckets'
 reductions only (no flat all-reduce beside them), and the norm without marking the tied copy counts it twice (what
-``clip_grad_norm_(pp_group=...)`` returned before), which shows the model exercises the tie.
+``clip_grad_norm_(pp_group=...)`` returned before), which shows the model exercises the tie. The checked step is
+the second, after the first's gradients were set to None. One cell has DTensor stages moved by ``.to()`` after
+sharding, as ``vescale.plan.build_pipeline`` moves tp-sharded stages (see ``_run``).
 """
 
 from __future__ import annotations
@@ -67,21 +69,30 @@ def _reference(x: torch.Tensor, y: torch.Tensor) -> tuple[_Whole, dict, float, d
     return whole, grads, norm, clipped, stepped
 
 
-def _run(zero: int) -> dict:
-    """On each of 4 ranks (pp=2 x dp=2): one pipeline step with DDP stages; what the test compares."""
+def _run(zero: int, dtensor_stages: bool = False) -> dict:
+    """On each of 4 ranks (pp=2 x dp=2): one pipeline step with DDP stages; what the test compares.
+
+    ``dtensor_stages``: each stage's parameters are DTensors (replicated over a tp dim of size 1) and the stage is
+    then moved with ``.to()``, as ``vescale.plan.build_pipeline`` moves its tp-sharded stages. For DTensor parameters
+    ``.to()`` swaps the tensors (``torch.utils.swap_tensors``), after which hooks added to a parameter's
+    post-accumulate-grad dict never run: DDP stages then reduced nothing (zero gradients on pp x dp x tp)."""
     from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh, sub_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, clip_grad_norm_
+    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, clip_grad_norm_, parallelize_module
     from vescale.parallel.clip_grad import grad_norm, mark_tied_copy
     from vescale.pipe import PipeEngine
 
-    mesh = init_mesh("pp=2,dp=2")
+    mesh = init_mesh("pp=2,dp=2,tp=1" if dtensor_stages else "pp=2,dp=2")
     pp, dp = sub_mesh(mesh, "pp"), sub_mesh(mesh, "dp")
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (BATCH, SEQ), generator=g), torch.randint(0, V, (BATCH, SEQ), generator=g)
     whole, ref_grads, ref_norm, ref_clipped, ref_stepped = _reference(x, y)
     mine = x.chunk(2)[dp.get_local_rank()], y.chunk(2)[dp.get_local_rank()]
     stage = (_First if pp.get_local_rank() == 0 else _Last)(whole)
+    if dtensor_stages:
+        from torch.distributed.tensor import Replicate
+
+        stage = parallelize_module(stage, sub_mesh(mesh, "tp"), {"parameter": {".*": [Replicate()]}}).to("cpu")
     engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss)
     for p in engine.tied_copies():
         mark_tied_copy(p)
@@ -89,12 +100,15 @@ def _run(zero: int) -> dict:
     engine.wrap_stages(lambda s, module, late: ddps.append(DistributedDataParallel(
         module, dp, zero_stage=zero, late_params=late, wait_in_backward=False)) or ddps[-1])
     ddp = ddps[0]
+    engine.step(*mine)  # a first step, cleared as zero_grad(set_to_none=True) clears it: the checked step is the second
+    for p in engine.parameters():  # (the tied sum must not subtract the first step's values still in DDP's buffer)
+        p.grad = None
     with count_comms(mesh) as counter:
         engine.step(*mine)
         ddp.finish_grad_sync()  # a no-op: the engine finished it (counted if it were not)
     dp_comms = counter.dim_counts.get("dp", {})
     out = {"dp_comms": dict(dp_comms), "buckets": len(ddp.buckets), "errors": []}
-    got = ddp.reduced_grads()
+    got = {n: _full(t) for n, t in ddp.reduced_grads().items()}
     for name, ref in ref_grads.items():
         if name in got and not torch.allclose(got[name], ref, rtol=1e-5, atol=1e-7):
             out["errors"].append(f"gradient of {name}: max error {(got[name] - ref).abs().max():.3g}")
@@ -107,7 +121,7 @@ def _run(zero: int) -> dict:
         out["unmarked_norm"] = float(grad_norm(unmarked, pp_group=pp.get_group()))
         out["norm"] = float(clip_grad_norm_(engine.parameters(), MAX_NORM, pp_group=pp.get_group()))
         for name, p in stage.named_parameters():
-            if not torch.allclose(p.grad, ref_clipped[name], rtol=1e-5, atol=1e-8):
+            if not torch.allclose(_full(p.grad), ref_clipped[name], rtol=1e-5, atol=1e-8):
                 out["errors"].append(f"clipped gradient of {name} differs from one device's")
     else:
         opt = DistributedOptimizer(ddp, torch.optim.SGD, zero_stage=2, clip_grad=MAX_NORM, pp_group=pp.get_group(),
@@ -115,15 +129,20 @@ def _run(zero: int) -> dict:
         opt.step()
         out["norm"] = float(opt.grad_norm)
         for name, p in stage.named_parameters():
-            if not torch.allclose(p.detach(), ref_stepped[name], rtol=1e-5, atol=1e-7):
+            if not torch.allclose(_full(p.detach()), ref_stepped[name], rtol=1e-5, atol=1e-7):
                 out["errors"].append(f"{name} after the clipped ZeRO-2 step differs from one device's")
     out["ref_norm"] = ref_norm
     return out
 
 
-@pytest.mark.parametrize("zero", [0, 2])
-def test_pipeline_stages_in_ddp_match_one_device_and_clip_counts_tied_weights_once(zero, ranks):
-    results = ranks(_run, 4, zero)
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.parametrize("zero,dtensor_stages", [(0, False), (2, False), (0, True)],
+                         ids=["zero0", "zero2", "zero0-dtensor-stages-moved"])
+def test_pipeline_stages_in_ddp_match_one_device_and_clip_counts_tied_weights_once(zero, dtensor_stages, ranks):
+    results = ranks(_run, 4, zero, dtensor_stages)
     checked = set()
     for rank, r in enumerate(results):
         assert not r["errors"], f"rank {rank}: {r['errors']}"

@@ -47,7 +47,7 @@ def test_summary_gather_on_gloo_ranks(world_size):
 def test_summary_of_a_short_dp2_run_has_every_rank(tmp_path, ranks):
     """The real end of ``train``: the summary's per-rank lists come from the gather, one entry per rank."""
     cfg = train.TrainConfig(mesh="dp=2", model="gpt-tiny", steps=2, batch_size=4, seq_len=8, warmup=1,
-                            out=str(tmp_path), trace_steps=0, quiet=True)
+                            out=str(tmp_path), trace_steps=0, quiet=True, data="markov")
     cfg.dims = parse_mesh_spec(cfg.mesh)
     summary, other = ranks(train.train, 2, cfg)
     assert other == {}
@@ -77,7 +77,8 @@ def test_short_nccl_run_reaches_its_summary(tmp_path):
     import torch
 
     world = min(2, torch.cuda.device_count())
-    summary = train.main(["--mesh", f"dp={world}", "--model", "gpt-tiny", "--steps", "3", "--batch-size", "4",
-                          "--seq-len", "8", "--trace-steps", "0", "--quiet", "--out", str(tmp_path)])
+    summary = train.main(["--mesh", f"dp={world}", "--model", "gpt-tiny", "--data", "markov", "--steps", "3",
+                          "--batch-size", "4", "--seq-len", "8", "--trace-steps", "0", "--quiet", "--out",
+                          str(tmp_path)])
     assert len(summary["peak_memory_mb_per_rank"]) == world
     assert summary["final_loss"] is not None and summary["final_loss"] == summary["final_loss"]  # not NaN

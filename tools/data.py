@@ -1,11 +1,34 @@
-"""The training data of ``tools/train.py``: a learnable synthetic corpus that every rank generates for any step
-without communicating, so every mesh trains on the same global batches and a resumed run continues the same stream."""
+"""The training data of ``tools/train.py``: token files prepared from text (``prepare_data.py``) and the synthetic
+Markov corpus of the equivalence tests.
+
+Both give the global batch of a step as a pure function of (data, seed, step), computed by every rank without
+communicating: each dp rank takes its slice, so every mesh trains on the same global batches, and a run resumed from a
+checkpoint (on any mesh) continues the same stream.
+
+:class:`TokenData` reads a prepared directory (``train.bin`` / ``heldout.bin`` memory-mapped, ``meta.json``): the
+training split is one stream of documents, each followed by the EOS id, cut into sequences of ``seq_len + 1`` tokens
+(inputs and shifted targets) that overlap by one token, so every token is a target exactly once per epoch. The order
+of the sequences is a permutation per epoch drawn from ``(seed, epoch)``; sequence ``k`` of the run (counting from the
+first step) is entry ``k mod n`` of epoch ``k // n``'s permutation.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import torch
 
-__all__ = ["MarkovCorpus"]
+from vescale.core.errors import VescaleError
+
+__all__ = ["DataError", "MarkovCorpus", "TokenData", "DTYPES", "open_data", "resume_offset"]
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(VescaleError, ValueError):
+    """The training data cannot be used: missing or empty inputs, a tokenizer without EOS, ids past the vocab."""
 
 
 class MarkovCorpus:
@@ -17,13 +40,17 @@ class MarkovCorpus:
         self.successors = torch.randint(0, vocab_size, (vocab_size, fanout), generator=g)
         self.probs = torch.softmax(torch.randn(vocab_size, fanout, generator=g) * 1.5, dim=-1)
         self.seed = seed
+        self.fingerprint = f"markov-v{vocab_size}-s{seed}-f{fanout}"
+        self.tokenizer_dir = None
 
     def entropy(self) -> float:
         """Per-token entropy of the chain (nats): the lowest loss a model can reach."""
         return float(-(self.probs * self.probs.log()).sum(-1).mean())
 
-    def batch(self, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
-        """The global batch of ``step``: ``[batch_size, seq_len + 1]`` int64 (inputs and shifted targets)."""
+    def batch(self, step: int, batch_size: int, seq_len: int, offset: int = 0) -> torch.Tensor:
+        """The global batch of ``step``: ``[batch_size, seq_len + 1]`` int64 (inputs and shifted targets).
+
+        A function of ``(seed, step)`` only: ``offset`` (see :meth:`TokenData.batch`) is accepted and ignored."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(0, self.vocab_size, (batch_size,), generator=g)
@@ -31,3 +58,132 @@ class MarkovCorpus:
             choice = torch.multinomial(self.probs[tokens[:, t]], 1, generator=g).squeeze(1)
             tokens[:, t + 1] = self.successors[tokens[:, t], choice]
         return tokens
+
+
+class TokenData:
+    """A prepared token directory (``prepare_data.prepare``) as fixed-length training sequences and held-out batches.
+
+    ``seq_len``: tokens a model sees per row (each row holds ``seq_len + 1``). ``seed``: the shuffle of every epoch.
+    Raises :class:`DataError` when the training split holds no whole sequence.
+    """
+
+    def __init__(self, directory: str | Path, seq_len: int, seed: int) -> None:
+        self.directory = Path(directory)
+        meta_path = self.directory / "meta.json"
+        if not meta_path.is_file():
+            raise DataError(f"{self.directory} is not a prepared token directory (no meta.json); "
+                            f"run tools/prepare_data.py on the data first")
+        self.meta = json.loads(meta_path.read_text())
+        dtype = DTYPES[self.meta["dtype"]]
+        self.train = _open(self.directory / "train.bin", dtype)
+        self.heldout = _open(self.directory / "heldout.bin", dtype)
+        self.seq_len, self.seed = seq_len, seed
+        self.vocab_size, self.eos_id = int(self.meta["vocab_size"]), int(self.meta["eos_id"])
+        self.fingerprint = self.meta["fingerprint"]
+        tok = self.directory / "tokenizer"
+        self.tokenizer_dir = tok if (tok / "tokenizer.json").is_file() else None
+        self.num_sequences = max(0, (len(self.train) - 1) // seq_len)
+        if self.num_sequences == 0:
+            raise DataError(f"{self.meta.get('source', self.directory)}: the training split has {len(self.train)} "
+                            f"tokens, fewer than one sequence of --seq-len {seq_len} + 1")
+        self._epoch, self._order = -1, None
+
+    def entropy(self) -> None:
+        """Real text has no known floor (the Markov corpus has one)."""
+        return None
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The permutation of the training sequences in ``epoch``: a function of ``(seed, epoch)``."""
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.num_sequences, generator=g)
+        return self._order
+
+    def sequence(self, index: int) -> np.ndarray:
+        """Training sequence ``index`` (``0 <= index < num_sequences``): ``seq_len + 1`` token ids."""
+        start = index * self.seq_len
+        return self.train[start:start + self.seq_len + 1]
+
+    def batch(self, step: int, batch_size: int, seq_len: int, offset: int = 0) -> torch.Tensor:
+        """The global batch of ``step``: ``[batch_size, seq_len + 1]`` int64, sequences ``offset + step * batch_size``
+        onwards of the run's order. ``offset`` is 0 for a run that never changed ``batch_size``; a run resumed with
+        another batch size passes the difference between the checkpoint's position and ``step * batch_size``."""
+        if seq_len != self.seq_len:
+            raise DataError(f"batch of seq_len {seq_len} asked of data packed for seq_len {self.seq_len}")
+        first = offset + step * batch_size
+        rows = []
+        for k in range(first, first + batch_size):
+            epoch, i = divmod(k, self.num_sequences)
+            rows.append(self.sequence(int(self.order(epoch)[i])))
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def heldout_batches(self, batch_size: int, count: int) -> list[torch.Tensor]:
+        """Up to ``count`` held-out batches ``[batch_size, seq_len + 1]``: the held-out split's first sequences in
+        order (the same for every run on this data and ``seq_len``); fewer when the split is short, none when it
+        holds less than one batch."""
+        have = max(0, (len(self.heldout) - 1) // self.seq_len) // batch_size
+        out = []
+        for b in range(min(count, have)):
+            rows = [self.heldout[i * self.seq_len:i * self.seq_len + self.seq_len + 1]
+                    for i in range(b * batch_size, (b + 1) * batch_size)]
+            out.append(torch.from_numpy(np.stack(rows).astype(np.int64)))
+        return out
+
+    def prompt(self, length: int) -> list[int]:
+        """The first ``length`` tokens of the held-out split (else of the training split): a prompt from the data."""
+        source = self.heldout if len(self.heldout) >= length else self.train
+        return [int(t) for t in source[:length]]
+
+
+def _open(path: Path, dtype) -> np.ndarray:
+    """``path`` memory-mapped read-only as a 1-d array of ``dtype`` (an empty array for an empty file)."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def open_data(cfg, vocab_size: int) -> MarkovCorpus | TokenData:
+    """The data of a ``TrainConfig``: ``--data markov`` the synthetic corpus over ``vocab_size`` ids; otherwise the
+    prepared token directory of ``--data`` (``stdlib`` by default), tokenized on first use by ``prepare_data``
+    (``--tokenizer``, else the ``--model`` directory's own tokenizer, else for ``stdlib`` its own BPE) and cached;
+    a directory ``prepare_data.py`` wrote is opened as it is.
+    No communication: every rank may call it (after the first, a cache hit). :class:`DataError` when the data's
+    vocabulary does not fit the model's ``vocab_size``, or when ``--eval-every`` finds less than one batch held out."""
+    if cfg.data == "markov":
+        return MarkovCorpus(vocab_size, cfg.seed)
+    if (Path(cfg.data) / "meta.json").is_file() and (Path(cfg.data) / "train.bin").is_file():
+        directory = Path(cfg.data)  # a directory prepare_data.py wrote: used as it is
+    else:
+        import prepare_data
+
+        tokenizer = cfg.tokenizer
+        if tokenizer is None and (Path(cfg.model) / "tokenizer.json").is_file():
+            tokenizer = cfg.model
+        directory = prepare_data.prepare(cfg.data, tokenizer, field=cfg.data_field, heldout=cfg.heldout).directory
+    data = TokenData(directory, cfg.seq_len, cfg.seed)
+    if data.vocab_size > vocab_size:
+        raise DataError(f"--data {cfg.data}: its tokenizer has {data.vocab_size} ids but model {cfg.model} embeds "
+                        f"{vocab_size} (pick a model with a vocabulary at least that large, or --data markov for "
+                        f"the synthetic corpus)")
+    if cfg.eval_every and not data.heldout_batches(cfg.batch_size, 1):
+        raise DataError(f"--eval-every: the held-out split of --data {cfg.data} holds {len(data.heldout)} tokens, "
+                        f"less than one batch of --batch-size {cfg.batch_size} x (--seq-len {cfg.seq_len} + 1); "
+                        f"raise --heldout")
+    return data
+
+
+def resume_offset(progress: dict, data: MarkovCorpus | TokenData, batch_size: int) -> tuple[int, str | None]:
+    """The ``offset`` (:meth:`TokenData.batch`) a run resumed from a checkpoint's ``progress`` (``step``,
+    ``sequences`` consumed, ``data`` fingerprint) continues with, and a note for the log when it is not the plain
+    continuation: other data than the checkpoint's starts at its own first sequence; another batch size continues
+    after the last sequence consumed."""
+    step, seen, saved = int(progress["step"]), int(progress.get("sequences") or 0), progress.get("data") or ""
+    if saved and saved != data.fingerprint:
+        return -step * batch_size, (f"the checkpoint was trained on other data ({saved}); this data "
+                                    f"({data.fingerprint}) starts at its first sequence")
+    if not saved:  # a checkpoint from before the data position was saved: the batch of a step is a function of it
+        return 0, None
+    offset = seen - step * batch_size
+    note = None if offset == 0 else (f"resumed with --batch-size {batch_size} after {seen} sequences "
+                                     f"(step {step}): continuing after them")
+    return offset, note

@@ -43,8 +43,9 @@ from vescale.core.launch import init_distributed, spawn
 from vescale.core.mesh import parse_mesh_spec
 
 TOOLS = str(Path(__file__).resolve().parent)
-if TOOLS not in sys.path:  # report.py lives next to this file (tests load it by path)
+if TOOLS not in sys.path:  # models.py and report.py live next to this file (tests load it by path)
     sys.path.insert(0, TOOLS)
+from models import load_sharded  # noqa: E402  (shared with train.py --model DIR)
 from report import gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -176,28 +177,6 @@ def pad_id(config) -> int:
         if value is not None:
             return int(value)
     return 0
-
-
-def load_sharded(src: str, mesh, plan: str, dtype: torch.dtype):
-    """The model of ``src`` recorded on meta, sharded over ``mesh`` and filled from its safetensors, each rank
-    reading only its shards."""
-    import transformers as tf
-
-    from vescale.checkpoint import import_hf
-    from vescale.dtensor import deferred_init
-    from vescale.parallel import PLANS, parallelize_module
-
-    config = tf.AutoConfig.from_pretrained(src)
-    model = deferred_init(tf.AutoModelForCausalLM.from_config, config, dtype=dtype)
-    if plan == "hand" and config.model_type in PLANS:
-        layout = PLANS[config.model_type](mesh)
-    else:
-        from vescale.plan import auto_plan
-
-        layout = auto_plan(model, mesh)
-    parallelize_module(model, mesh, layout)
-    import_hf(src, model)
-    return model.eval(), config
 
 
 class Stream:

@@ -4,7 +4,14 @@ Every model here is plain PyTorch that vescale parallelizes unchanged: ``nn.Line
 attention written out op by op, rotary tables and the causal mask made inside ``forward``. :func:`create` builds one
 from the current torch seed (``tools/train.py`` calls it under ``vescale.dtensor.deferred_init`` by default);
 :func:`model_spec` reads the sizes that decide which meshes fit a model without building it; :func:`tp_plan` is the
-hand-written tensor-parallel plan of its family (``vescale.parallel.plans``).
+hand-written tensor-parallel plan of its family (``vescale.parallel.plans``; ``vescale.plan.auto_plan`` for a family
+without one).
+
+A model name is one of :data:`MODELS`, or a Hugging Face model directory (``config.json`` plus safetensors, single file
+or sharded with ``model.safetensors.index.json``, as ``save_pretrained`` writes): :func:`create` then builds that
+architecture from its config (initialised, and under ``deferred_init`` only recorded) and :func:`load_pretrained`
+fills what a rank holds (its TP shards, its pipeline stages, or the whole model on a dp replica) from the
+safetensors, each rank reading only the bytes of its own pieces (``vescale.checkpoint.import_hf``).
 
 GPT parameter FQNs (``L`` = layer), the names ``vescale.parallel.plans.gpt_plan`` shards by::
 
@@ -14,14 +21,18 @@ GPT parameter FQNs (``L`` = layer), the names ``vescale.parallel.plans.gpt_plan`
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "HF_MODELS", "MODELS", "ModelSpec", "model_spec", "create", "tp_plan"]
+__all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "HF_MODELS", "MODELS", "ModelSpec", "model_spec", "create", "tp_plan",
+           "is_hf_dir", "hf_config", "hf_weight_names", "tied_names", "pretrained_problems", "load_pretrained",
+           "load_sharded", "matmul_params", "flops_per_token", "has_tokenizer", "export_pretrained"]
 
 
 @dataclass
@@ -145,8 +156,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
         freqs = torch.outer(torch.arange(t, device=tokens.device, dtype=torch.float32), self.inv_freq.to(tokens.device))
         angles = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = angles.cos(), angles.sin()
         x = self.embed(tokens)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # (a bf16 model computes in bf16 throughout)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
@@ -179,6 +190,26 @@ class ModelSpec:
     n_layer: int
     max_seq_len: int
     divisible: dict  # quantities tensor parallelism splits, name -> size
+    attn_width: int = 0  # heads x head dim: the width of the q.k and attention.v products (the FLOPs formula)
+
+
+def is_hf_dir(name: str) -> bool:
+    """Whether ``name`` is a Hugging Face model directory (it has a ``config.json``) rather than a built-in name."""
+    return Path(name, "config.json").is_file()
+
+
+def hf_config(name: str):
+    """The ``transformers`` config of model ``name`` (a directory's ``config.json``, or a built-in HF model's), with
+    the key/value cache off (training)."""
+    import transformers
+
+    if is_hf_dir(name):
+        config = transformers.AutoConfig.from_pretrained(name)
+    else:
+        config_cls, _, fields = HF_MODELS[name]
+        config = getattr(transformers, config_cls)(**fields, tie_word_embeddings=False)
+    config.use_cache = False
+    return config
 
 
 def model_spec(name: str) -> ModelSpec:
@@ -186,21 +217,33 @@ def model_spec(name: str) -> ModelSpec:
     if name in MODEL_SIZES:
         g = MODEL_SIZES[name]
         return ModelSpec(g.vocab_size, g.n_layer, g.max_seq_len,
-                         dict(n_head=g.n_head, n_kv_head=g.n_kv_head, ffn_hidden=g.ffn_hidden, vocab_size=g.vocab_size))
-    fields = HF_MODELS[name][2]
-    heads = fields.get("num_attention_heads", fields.get("n_head"))
-    divisible = dict(heads=heads, kv_heads=fields.get("num_key_value_heads", heads), vocab_size=fields["vocab_size"],
-                     ffn=fields.get("intermediate_size", 4 * fields.get("n_embd", 0)))
-    return ModelSpec(fields["vocab_size"], fields.get("num_hidden_layers", fields.get("n_layer")),
-                     fields.get("max_position_embeddings", fields.get("n_positions")), divisible)
+                         dict(n_head=g.n_head, n_kv_head=g.n_kv_head, ffn_hidden=g.ffn_hidden, vocab_size=g.vocab_size),
+                         g.n_head * g.head_dim)
+    if not is_hf_dir(name) and name not in HF_MODELS:
+        raise SystemExit(f"train.py: --model {name!r} is neither a built-in model ({', '.join(MODELS)}) nor a Hugging "
+                         f"Face model directory (a directory with config.json and safetensors weights)")
+    c = hf_config(name)
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
+    hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+    divisible = dict(heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                     vocab_size=c.vocab_size, ffn=ffn)
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+    positions = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+    return ModelSpec(c.vocab_size, layers, positions, divisible, heads * head_dim)
 
 
 def create(name: str) -> nn.Module:
-    """The unmodified model named ``name``, initialised from the current torch seed (or the recording RNG)."""
+    """The unmodified model named ``name`` (or of the HF directory ``name``: its architecture, not yet its weights),
+    initialised from the current torch seed (or the recording RNG); fp32, eager attention."""
     if name in MODEL_SIZES:
         return GPT(MODEL_SIZES[name])
     import transformers
 
+    if is_hf_dir(name):
+        return transformers.AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="eager",
+                                                             dtype=torch.float32)
     config_cls, model_cls, fields = HF_MODELS[name]
     # Eager attention: torch's CPU SDPA kernel has no DTensor sharding rule; matmul attention shards op by op.
     config = getattr(transformers, config_cls)(**fields, use_cache=False, tie_word_embeddings=False,
@@ -208,8 +251,183 @@ def create(name: str) -> nn.Module:
     return getattr(transformers, model_cls)(config)
 
 
-def tp_plan(name: str, tp_mesh, sequence_parallel: bool) -> dict:
-    """The hand-written Megatron-style plan (``vescale.parallel.plans``) of model ``name``'s family over ``tp_mesh``."""
+def tp_plan(name: str, tp_mesh, sequence_parallel: bool, model: nn.Module | None = None) -> dict:
+    """The hand-written Megatron-style plan (``vescale.parallel.plans``) of model ``name``'s family over ``tp_mesh``
+    (a directory's family is its config's ``model_type``); for a family without one, ``vescale.plan.auto_plan`` of
+    ``model`` (the deferred model)."""
     from vescale.parallel import PLANS
 
-    return PLANS[name.split("-")[0]](tp_mesh, dp=None, sequence_parallel=sequence_parallel)
+    family = hf_config(name).model_type if is_hf_dir(name) else name.split("-")[0]
+    if family in PLANS:
+        return PLANS[family](tp_mesh, dp=None, sequence_parallel=sequence_parallel)
+    if model is None:
+        raise ValueError(f"model family {family!r} has no hand plan (vescale.parallel.PLANS): pass the model for "
+                         f"auto_plan")
+    from vescale.plan import auto_plan
+
+    return auto_plan(model, tp_mesh, sequence_parallel=sequence_parallel, dp=None)
+
+
+# -- pretrained weights ------------------------------------------------------------------------------------------
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def hf_weight_names(src: str) -> dict[str, list[int]]:
+    """The tensors of the HF directory ``src``: name -> shape, from the safetensors headers (no tensor data read)."""
+    from safetensors import safe_open
+
+    index = Path(src, INDEX_FILE)
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif Path(src, "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return {}
+    shapes = {}
+    for file in files:
+        with safe_open(str(Path(src, file)), framework="pt") as f:
+            shapes.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """``{output embedding FQN: input embedding FQN}`` when the model ties them (``save_pretrained`` then writes only
+    the input embedding), else empty."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None or get_out() is None or get_in().weight is not get_out().weight:
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    return {f"{names[id(get_out())]}.weight": f"{names[id(get_in())]}.weight"}
+
+
+def pretrained_problems(name: str) -> list[str]:
+    """Why the weights of the HF directory ``name`` cannot fill its model (missing or unexpected tensors, shape
+    mismatches), checked on the meta device from the safetensors headers alone; empty when they can."""
+    if not is_hf_dir(name):
+        return []
+    files = hf_weight_names(name)
+    if not files:
+        return [f"--model {name}: no safetensors weights (neither model.safetensors nor {INDEX_FILE})"]
+    with torch.device("meta"):
+        model = create(name)
+    held = {k: list(t.shape) for k, t in model.state_dict().items()}
+    tied = tied_names(model)
+    problems = [f"--model {name}: {k!r} (shape {shape}) is not in its safetensors" for k, shape in held.items()
+                if k not in files and tied.get(k) not in files]
+    problems += [f"--model {name}: {k!r} is {files[k]} in its safetensors, {shape} in the model built from its "
+                 f"config.json" for k, shape in held.items() if k in files and files[k] != shape]
+    problems += [f"--model {name}: its safetensors hold {k!r}, which the model built from its config.json has not"
+                 for k in files if k not in held]
+    return problems
+
+
+def load_pretrained(src: str, modules: list[nn.Module], *, stages: bool = False,
+                    tied: dict[str, str] | None = None) -> None:
+    """Fill ``modules`` in place from the HF directory ``src``: this rank's model (plain, or with DTensor parameters
+    over tp), or its pipeline stages (which keep the model's FQNs), each rank reading only the bytes of what it holds
+    (``vescale.checkpoint.import_hf`` opens the files memory-mapped and copies each local box). ``tied`` (from
+    :func:`tied_names` of the whole model): a stage that holds the tied output embedding under its own name gets the
+    input embedding's tensor (that one tensor read whole on that rank). No communication; call it before DDP or the
+    optimizer take the parameters (their flat buffers and master copies are views of, or copies from, them).
+    A whole model (``stages=False``, one module) loads strictly; pipeline stages (``stages=True``) each hold a part,
+    so their loads are not strict: ``pretrained_problems`` has checked the names and shapes beforehand."""
+    from vescale.checkpoint import import_hf
+
+    if not stages:  # the whole model: a strict load (which also resolves weights tied by storage)
+        import_hf(src, modules[0])
+        return
+    files = hf_weight_names(src)
+    for module in modules:
+        import_hf(src, module, strict=False)
+        for name, t in module.state_dict().items():
+            if name not in files and (tied or {}).get(name) in files:
+                _copy_whole(src, tied[name], t)
+
+
+def _copy_whole(src: str, key: str, target: torch.Tensor) -> None:
+    """Copy the tensor ``key`` of the HF directory ``src`` into ``target`` (a DTensor: its local shard)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    index = Path(src, INDEX_FILE)
+    file = json.loads(index.read_text())["weight_map"][key] if index.is_file() else "model.safetensors"
+    with safe_open(str(Path(src, file)), framework="pt") as f:
+        whole = f.get_tensor(key)
+    with torch.no_grad():
+        if isinstance(target, DTensor):  # src_data_rank=None: every rank slices its own shard, no communication
+            local = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            target.to_local().copy_(local)
+        else:
+            target.copy_(whole)
+
+
+def load_sharded(src: str, mesh, plan: str = "hand", dtype: torch.dtype = torch.float32):
+    """The model of the HF directory ``src`` recorded on meta (``deferred_init``), sharded over ``mesh`` (its
+    ``tp`` dim; a ``dp`` dim batch-shards activations) by its family's hand plan (``plan="hand"``; ``auto_plan``
+    for other families, or ``plan="auto"``) and filled from its safetensors, each rank reading only its shards.
+    Returns ``(model in eval mode, config)``. ``tools/generate.py``'s loader."""
+    import transformers as tf
+
+    from vescale.dtensor import deferred_init
+    from vescale.parallel import PLANS, parallelize_module
+
+    config = tf.AutoConfig.from_pretrained(src)
+    model = deferred_init(tf.AutoModelForCausalLM.from_config, config, dtype=dtype)
+    if plan == "hand" and config.model_type in PLANS:
+        layout = PLANS[config.model_type](mesh)
+    else:
+        from vescale.plan import auto_plan
+
+        layout = auto_plan(model, mesh)
+    parallelize_module(model, mesh, layout)
+    load_pretrained(src, [model])
+    return model.eval(), config
+
+
+# -- throughput ----------------------------------------------------------------------------------------------------
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters that multiply activations: every distinct parameter except those only looked up (an
+    ``nn.Embedding`` not tied to an output projection). Counted on the whole (meta or deferred) model."""
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    looked_up -= {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}  # tied: also a matmul
+    return sum(p.numel() for p in model.parameters() if id(p) not in looked_up)
+
+
+def flops_per_token(n_matmul: int, spec: ModelSpec, seq_len: int) -> int:
+    """Model FLOPs of one token's forward and backward: ``6 N + 12 L d T`` (PaLM, appendix B): 2 FLOPs per
+    multiply-add per matmul parameter forward, twice that backward; plus the attention products (``q.k`` and
+    ``attention.v``, ``2 x 2 L d T`` forward, causal mask not discounted) with ``d`` the attention width, ``T`` the
+    sequence length. Activation recomputation is not counted (model FLOPs, not hardware FLOPs)."""
+    return 6 * n_matmul + 12 * spec.n_layer * spec.attn_width * seq_len
+
+
+# -- export ----------------------------------------------------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def has_tokenizer(path: str | None) -> bool:
+    """Whether the directory ``path`` holds a Hugging Face tokenizer."""
+    return path is not None and any(Path(path, f).is_file() for f in TOKENIZER_FILES)
+
+
+def export_pretrained(ckpt: str, out_dir: str, name: str, tokenizer: str | None = None) -> list[str]:
+    """Write the model of the checkpoint ``ckpt`` (train.py's ``model.`` keys, from any mesh) as a directory that
+    ``transformers``' ``from_pretrained`` loads: sharded safetensors and index (``vescale.checkpoint.export_hf``),
+    ``config.json`` (the HF directory ``name``'s own, or the built-in HF model's), and the tokenizer of the directory
+    ``tokenizer`` when given (re-saved by ``AutoTokenizer``). One process; returns the files written."""
+    from vescale.checkpoint import export_hf
+
+    if is_hf_dir(name):
+        config = str(Path(name, "config.json"))
+    else:
+        config = hf_config(name)
+        config.use_cache = True  # the inference default; training turned it off
+    files = export_hf(ckpt, out_dir, prefix="model.", config=config)
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        files += AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
+    return files

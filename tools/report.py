@@ -172,8 +172,9 @@ class RunLog:
         elif (step + 1) % self.every == 0 or left == 0 or step == self.start:
             print(line, flush=True)
 
-    def finish(self, summary: dict, floor: float) -> dict:
-        """Close ``metrics.jsonl``, plot the loss against ``floor`` (the corpus entropy), write ``summary.json``."""
+    def finish(self, summary: dict, floor: float | None) -> dict:
+        """Close ``metrics.jsonl``, plot the loss (and held-out loss) against ``floor`` (the corpus entropy; ``None``
+        for real text, which has no known floor), write ``summary.json``."""
         self.file.close()
         if self.records:
             plot_loss(self.records, self.out / "loss.png", floor)
@@ -181,8 +182,9 @@ class RunLog:
         return summary
 
 
-def plot_loss(metrics: list[dict], path: Path, floor: float) -> bool:
-    """The training loss per step and the corpus entropy, as a PNG; ``False`` when matplotlib is missing."""
+def plot_loss(metrics: list[dict], path: Path, floor: float | None) -> bool:
+    """The training loss per step, the held-out loss where records have ``eval_loss``, and the corpus entropy
+    (unless ``floor`` is ``None``), as a PNG; ``False`` when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -193,7 +195,11 @@ def plot_loss(metrics: list[dict], path: Path, floor: float) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="training loss")
-    ax.axhline(floor, color="gray", linestyle="--", label=f"corpus entropy {floor:.2f}")
+    evals = [m for m in metrics if "eval_loss" in m]
+    if evals:
+        ax.plot([m["step"] for m in evals], [m["eval_loss"] for m in evals], "o-", label="held-out loss")
+    if floor is not None:
+        ax.axhline(floor, color="gray", linestyle="--", label=f"corpus entropy {floor:.2f}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.legend()

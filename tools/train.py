@@ -4,10 +4,13 @@
     python tools/train.py --mesh pp=2,dp=2,tp=2 --schedule 1f1b --steps 200
     torchrun --nproc-per-node 8 tools/train.py --mesh dp=2,tp=4      # GPUs: the launcher's ranks, NCCL
 
-Out of the box it spawns its own gloo ranks and trains on a corpus it generates (``data.py``): token sequences from a
-fixed random sparse Markov chain, so the loss falls from ln(vocab) towards the chain's entropy. Every rank generates
-the same global batch of a step from ``(seed, step)`` and takes its data-parallel slice, so the loss curve is the
-single-device curve whatever the mesh, and a run resumed from a checkpoint continues it exactly.
+Out of the box it spawns its own gloo ranks and trains on real text every machine has: this interpreter's standard
+library source, tokenized once by a byte-level BPE trained on it (``prepare_data.py``, cached); ``--data PATH`` takes
+your own text, ``--data markov`` the synthetic corpus of the equivalence tests (``data.py``). Every rank computes the
+same global batch of a step from ``(data, seed, step)`` and takes its data-parallel slice, so the loss curve is the
+single-device curve whatever the mesh, and a run resumed from a checkpoint (which records the data position)
+continues it exactly. ``--eval-every`` adds the held-out loss (``evaluate.py``), ``--sample-every`` generations
+(``sample.py``; also printed at the end of a run on real text).
 
 The job, top to bottom: ``build_model`` (``models.py``; by default deferred: recorded on the meta device, each rank
 materialising only what it holds, bitwise the 1-rank init), ``apply_pp`` or ``apply_tp``, ``apply_dp``,
@@ -41,8 +44,9 @@ TOOLS = str(Path(__file__).resolve().parent)
 if TOOLS not in sys.path:  # config, models, data and report live next to this file (tests load it by path)
     sys.path.insert(0, TOOLS)
 import models  # noqa: E402
-from config import TrainConfig, check_fits, parse_args  # noqa: E402
-from data import MarkovCorpus  # noqa: E402
+from config import DTYPES, HSDP_DIMS, TrainConfig, check_fits, dp_dims, parse_args  # noqa: E402
+from data import DataError, open_data, resume_offset  # noqa: E402
+from evaluate import TextMonitor  # noqa: E402
 from report import RunLog, TimelineWindow, dump_grads, gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
 
 
@@ -84,7 +88,43 @@ def apply_tp(model: nn.Module, tp_mesh, cfg: TrainConfig) -> nn.Module:
     from vescale.parallel import parallelize_module
 
     log(cfg, f"tp={tp_mesh.size()}: {cfg.model} by its hand plan, sequence parallel {cfg.sequence_parallel}")
-    return parallelize_module(model, tp_mesh, models.tp_plan(cfg.model, tp_mesh, cfg.sequence_parallel))
+    return parallelize_module(model, tp_mesh, models.tp_plan(cfg.model, tp_mesh, cfg.sequence_parallel, model))
+
+
+def ep_trainer(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole_bytes: int, flops: int,
+               t0: float) -> Trainer:
+    """``--mesh ep=E[,tp=T]``: the experts over ep (``vescale.parallel.parallelize_experts``), attention and each
+    expert's FFN by the family's tp plan when tp > 1. Each ep rank runs 1/ep of the rows it is given; the step's
+    loss is the mean over all of them and so are the gradients (each rank backpropagates its share, loss / ep)."""
+    from vescale.parallel import parallelize_experts
+    from vescale.pipe.timeline import span
+    from vescale.plan import language_model_loss
+
+    ep, tp = dim_size(mesh, "ep"), dim_size(mesh, "tp")
+    log(cfg, f"ep={ep}: {cfg.model}'s experts over ep" + (f", tp={tp} by its hand plan" if tp > 1 else ""))
+    plan = models.tp_plan(cfg.model, mesh, cfg.sequence_parallel, model) if tp > 1 else None
+    model = parallelize_experts(model, mesh, plan)
+    if models.is_hf_dir(cfg.model):
+        models.load_pretrained(cfg.model, [model])
+    init_s = time.perf_counter() - t0
+    ep_mesh = sub_mesh(mesh, "ep")
+    rank = ep_mesh.get_local_rank()
+
+    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x, y = inputs.chunk(ep)[rank], targets.chunk(ep)[rank]
+        with span("forward", cat="forward"):
+            loss = language_model_loss(model(input_ids=x), y)
+        with span("backward", cat="backward"):
+            (loss / ep).backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=ep_mesh.get_group())
+        return total / ep
+
+    params = list(model.parameters())
+    optimizer = build_optimizer(params, None, cfg)
+    return Trainer(forward_backward, params, optimizer, {"model": model, "optim": optimizer}, num_params, init_s,
+                   whole_bytes if cfg.init == "eager" else state_bytes([model]),
+                   grads=lambda: grads_by_fqn([model], None), flops_per_token=flops)
 
 
 def apply_pp(model: nn.Module, mesh, cfg: TrainConfig, device: torch.device):
@@ -97,28 +137,66 @@ def apply_pp(model: nn.Module, mesh, cfg: TrainConfig, device: torch.device):
     return build_pipeline(
         model, sub_mesh(mesh, "pp"), schedule=cfg.schedule, num_microbatches=mb, loss_fn=language_model_loss,
         example_inputs=torch.zeros(cfg.batch_size // dp // mb, cfg.seq_len, dtype=torch.long, device=device),
-        tp_mesh=tp_mesh, plan=models.tp_plan(cfg.model, tp_mesh, False) if tp_mesh is not None else None,
-        dp_group=sub_mesh(mesh, "dp").get_group() if dp > 1 else None, device=device, compile=cfg.compile)
+        tp_mesh=tp_mesh, plan=models.tp_plan(cfg.model, tp_mesh, False, model) if tp_mesh is not None else None,
+        device=device, compile=cfg.compile)  # dp: each stage's own DDP (apply_dp_stages), no flat all-reduce
 
 
 def apply_dp(model: nn.Module, mesh, cfg: TrainConfig):
     """``model`` in ``DistributedDataParallel`` over dp (ZeRO-2 shards its gradients), or ``None`` without dp/ZeRO."""
     from vescale.parallel import DistributedDataParallel
 
-    if dim_size(mesh, "dp") == 1 and not cfg.zero:
+    # bf16 always takes DDP (over dp=1 without dp, see mesh_dims): its fp32 buffer accumulates the gradients that
+    # DistributedOptimizer's fp32 masters step with.
+    if cfg.zero == 3 or (dp_size(mesh) == 1 and not cfg.zero and cfg.dtype == "fp32"):
         return None
-    log(cfg, f"dp={dim_size(mesh, 'dp')}: DistributedDataParallel, ZeRO stage {cfg.zero}")
-    return DistributedDataParallel(model, sub_mesh(mesh, "dp"), zero_stage=2 if cfg.zero == 2 else 0)
+    log(cfg, f"dp={dp_size(mesh)}: DistributedDataParallel, ZeRO stage {cfg.zero}, {cfg.dtype}")
+    return DistributedDataParallel(model, dp_mesh(mesh), zero_stage=2 if cfg.zero == 2 else 0,
+                                   grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype]))
 
 
-def build_optimizer(params: list[nn.Parameter], ddp, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW without weight decay; with ZeRO vescale's ``DistributedOptimizer`` over ``ddp``, which also clips."""
+def apply_dp_stages(engine, mesh, cfg: TrainConfig) -> list:
+    """Each of this rank's pipeline stages in its own ``DistributedDataParallel`` over dp (``engine.wrap_stages``):
+    one bucketed dp reduction per step, started in the last microbatch's backward and overlapped with the rest of
+    it; a weight tied across stages is reduced after the engine's sum over pp (``late_params``). Returns the
+    wrappers, one per local stage; none when ``apply_dp`` would take none (no dp, ZeRO or bf16)."""
+    from vescale.parallel import DistributedDataParallel
+
+    if dp_mesh(mesh) is None or (dp_size(mesh) == 1 and not cfg.zero and cfg.dtype == "fp32"):
+        return []
+    log(cfg, f"dp={dp_size(mesh)}: each pipeline stage in DistributedDataParallel, ZeRO stage {cfg.zero}")
+    wrappers = []
+
+    def wrap(index: int, stage: nn.Module, late: list[nn.Parameter]) -> nn.Module:
+        wrappers.append(DistributedDataParallel(
+            stage, dp_mesh(mesh), zero_stage=2 if cfg.zero == 2 else 0,
+            grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype]), late_params=late, wait_in_backward=False))
+        return wrappers[-1]
+
+    engine.wrap_stages(wrap)
+    return wrappers
+
+
+def build_optimizer(params: list[nn.Parameter], ddp, cfg: TrainConfig, pp_group=None) -> torch.optim.Optimizer:
+    """AdamW with ``--weight-decay`` on matrices only (:func:`decay_groups`); with ZeRO vescale's
+    ``DistributedOptimizer`` over ``ddp`` (the same groups, on its shards), which also clips (over ``pp_group``
+    too: a pipeline stage's optimizer)."""
     from vescale.parallel import DistributedOptimizer
 
-    if cfg.zero:
-        return DistributedOptimizer(ddp, torch.optim.AdamW, zero_stage=cfg.zero, clip_grad=cfg.clip or None,
-                                    lr=cfg.lr, weight_decay=0.0)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    adamw = torch.optim.AdamW(decay_groups(params, cfg.weight_decay), lr=cfg.lr)
+    if ddp is not None and (cfg.zero or cfg.dtype != "fp32"):  # (bf16 without ZeRO: zero_stage 0, fp32 masters)
+        return DistributedOptimizer(ddp, adamw, zero_stage=cfg.zero, clip_grad=cfg.clip or None, pp_group=pp_group)
+    return adamw
+
+
+def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two AdamW groups: the matrices (``ndim >= 2``: linear weights, embeddings, the output head) decay by
+    ``weight_decay``; vectors (norm scales, biases) do not. Decay pulls a weight towards zero: for a matrix that
+    regularises, but a norm's scale or a bias is an offset whose zero is no prior (decaying a scale towards 0
+    shrinks a whole activation), as in GPT-2, Megatron-LM and the transformers Trainer. Embeddings decay, as there."""
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
+    return [g for g in ({"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0})
+            if g["params"]]
 
 
 @dataclass
@@ -134,6 +212,7 @@ class Trainer:
     init_bytes: int  # bytes of parameters and buffers this rank built (eager: the whole model)
     # this rank's dp-reduced gradients by parameter FQN (``grads_by_fqn``); a collective over dp with ZeRO-2
     grads: Callable[[], dict[str, torch.Tensor]] | None = None
+    flops_per_token: int = 0  # model FLOPs of one token's forward and backward (``models.flops_per_token``)
 
 
 def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
@@ -147,9 +226,16 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
     t0 = time.perf_counter()
     model = build_model(cfg, device)
     num_params, whole_bytes = sum(p.numel() for p in model.parameters()), state_bytes([model])
+    flops = models.flops_per_token(models.matmul_params(model), models.model_spec(cfg.model), cfg.seq_len)
+    pretrained = models.is_hf_dir(cfg.model)  # then each rank fills what it holds from the directory's safetensors
+    tied = models.tied_names(model) if pretrained else {}
     if dim_size(mesh, "pp") > 1:
         engine = apply_pp(model, mesh, cfg, device)
-        held, init_s = list(engine.stages.values()), time.perf_counter() - t0
+        held = list(engine.stages.values())
+        if pretrained:
+            log(cfg, f"weights from {cfg.model}: each rank reads its stages' shards")
+            models.load_pretrained(cfg.model, held, stages=True, tied=tied)
+        init_s = time.perf_counter() - t0
         if cfg.activation_checkpointing != "none":  # a captured stage has no block modules: one region per stage
             for stage in held:
                 checkpoint_activations(stage, cfg.activation_checkpointing, whole=True)
@@ -157,21 +243,32 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
         from vescale.parallel.clip_grad import mark_tied_copy
 
         for p in engine.tied_copies():  # a tied weight held by two stages counts once in the clip norm over pp
-            mark_tied_copy(p)
-        optimizer = build_optimizer(engine.parameters(), None, cfg)
+            mark_tied_copy(p)  # (before DistributedOptimizer, which marks its shards of them)
+        # apply_pp builds one stage per pp rank, so at most one stage DDP here
+        stage_ddp = next(iter(apply_dp_stages(engine, mesh, cfg)), None)
+        optimizer = build_optimizer(engine.parameters(), stage_ddp, cfg, pp_group=sub_mesh(mesh, "pp").get_group())
         return Trainer(lambda x, y: engine.step(x, y).detach(), engine.parameters(), optimizer,
                        {"model": held, "optim": optimizer}, num_params, init_s, bytes_built,
-                       grads=lambda: grads_by_fqn(held))
+                       grads=lambda: grads_by_fqn(held, stage_ddp), flops_per_token=flops)
+    if dim_size(mesh, "ep") > 1:  # experts over ep, the rest by the family's tp plan (config.py allows ep x tp only)
+        return ep_trainer(cfg, mesh, model, num_params, whole_bytes, flops, t0)
     if dim_size(mesh, "tp") > 1:
         model = apply_tp(model, sub_mesh(mesh, "tp"), cfg)
-    elif is_deferred(model):  # dp replicas each compute 1/dp of the init, then all-gather it
-        dp = dim_size(mesh, "dp")
-        materialize(model, device=device, replicate_over=sub_mesh(mesh, "dp") if dp > 1 else None)
+    elif is_deferred(model):  # dp replicas each compute 1/dp of the init, then all-gather it (pretrained: no
+        dp = dim_size(mesh, "dp")  # gather, every replica reads the weights itself)
+        materialize(model, device=device, replicate_over=sub_mesh(mesh, "dp") if dp > 1 and not pretrained else None)
+    if pretrained:
+        log(cfg, f"weights from {cfg.model}: each rank reads its own shards")
+        models.load_pretrained(cfg.model, [model])
     init_s, bytes_built = time.perf_counter() - t0, whole_bytes if cfg.init == "eager" else state_bytes([model])
     if cfg.activation_checkpointing != "none":  # before compile and DDP (see checkpoint_activations)
         checkpoint_activations(model, cfg.activation_checkpointing)
     if cfg.compile:
         compile_parallel(model)
+    if cfg.zero == 3:  # FSDP2 per block over dp (or dp_replicate x dp_shard); its fp32 shards are the masters
+        model = apply_zero3(model, mesh, cfg)
+    elif cfg.dtype != "fp32":  # DDP's fp32 buffer and DistributedOptimizer's fp32 masters keep the rest in fp32
+        model.to(getattr(torch, DTYPES[cfg.dtype]))
     ddp = apply_dp(model, mesh, cfg)
     module = ddp if ddp is not None else model
 
@@ -181,6 +278,8 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
         n, total = cfg.grad_accum, None
         for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
             last = i == n - 1
+            if cfg.zero == 3:  # FSDP2 reduce-scatters only in the last micro-step's backward
+                model.set_requires_gradient_sync(last)
             with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
                 with span("forward", cat="forward"):
                     loss = language_model_loss(module(x), y) / n
@@ -194,14 +293,14 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
     params = list(model.parameters())
     optimizer = build_optimizer(params, ddp, cfg)
     return Trainer(forward_backward, params, optimizer, {"model": model, "optim": optimizer}, num_params, init_s,
-                   bytes_built, grads=lambda: grads_by_fqn([model], ddp))
+                   bytes_built, grads=lambda: grads_by_fqn([model], ddp), flops_per_token=flops)
 
 
 def grads_by_fqn(modules: list[nn.Module], ddp=None) -> dict[str, torch.Tensor]:
     """This rank's gradients by parameter FQN of the unwrapped model (every name of a tied parameter), as the
     optimizer will see them: dp-averaged, laid out as the parameters are (DTensors over tp, or plain). Parameters
     without a gradient are left out. With ``ddp`` they come from its buffers (``reduced_grads``; with ZeRO-2 an
-    all-gather over dp, so every dp rank must call it), else from ``.grad`` (a pipeline engine has reduced them)."""
+    all-gather over dp, so every dp rank must call it), else from ``.grad`` (nothing to reduce over dp)."""
     reduced = None
     if ddp is not None:
         by_fqn = ddp.reduced_grads()
@@ -215,17 +314,67 @@ def grads_by_fqn(modules: list[nn.Module], ddp=None) -> dict[str, torch.Tensor]:
     return out
 
 
+def apply_zero3(model: nn.Module, mesh, cfg: TrainConfig) -> nn.Module:
+    """``model`` sharded by FSDP2 per block over dp (ZeRO 3), or HSDP over ``dp_replicate x dp_shard``; with
+    ``--dtype bf16`` gathered parameters are cast to bf16 for compute and gradients reduced in ``--reduce-dtype``,
+    while the fp32 shards stay the masters the optimizer steps (``vescale.parallel.zero3``)."""
+    from vescale.parallel.zero3 import bf16_policy, fully_shard_dp
+
+    hsdp = all(n in (mesh.mesh_dim_names or ()) for n in HSDP_DIMS)
+    log(cfg, f"dp={dp_size(mesh)}: ZeRO 3 (FSDP2 per block)" + (
+        f", HSDP {dim_size(mesh, HSDP_DIMS[0])} replicas x {dim_size(mesh, HSDP_DIMS[1])} shards" if hsdp else "")
+        + f", {cfg.dtype}")
+    policy = bf16_policy(getattr(torch, DTYPES[cfg.reduce_dtype])) if cfg.dtype == "bf16" else None
+    return fully_shard_dp(model, mesh, mp_policy=policy)
+
+
+def mesh_dims(cfg: TrainConfig) -> dict[str, int]:
+    """The mesh ``train`` builds: ``--mesh``, plus ``dp=1`` for a bf16 or ZeRO 1/2 run without data parallelism,
+    whose master weights (optimizer state) live in ``DistributedOptimizer`` over a DDP of one rank."""
+    dims = dict(cfg.dims)
+    if (cfg.dtype != "fp32" or cfg.zero) and cfg.zero != 3 and dp_dims(dims) == 1 and "dp" not in dims:
+        dims["dp"] = 1
+    return dims
+
+
+def dp_size(mesh) -> int:
+    """Data-parallel ranks of ``mesh``: ``dp``, or ``dp_replicate x dp_shard`` (HSDP)."""
+    return dim_size(mesh, "dp") * dim_size(mesh, HSDP_DIMS[0]) * dim_size(mesh, HSDP_DIMS[1])
+
+
+def dp_mesh(mesh):
+    """The 1-D mesh the batch is split over: ``dp``, or HSDP's two dims flattened (replica-major), or None."""
+    from vescale.core.torch_internals import flattened_mesh
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp" in names:
+        return sub_mesh(mesh, "dp")
+    if all(n in names for n in HSDP_DIMS):
+        return flattened_mesh(sub_mesh(mesh, *HSDP_DIMS))
+    return None
+
+
 def microbatches(cfg: TrainConfig, mesh) -> int:
-    """Microbatches a pipeline step is cut into: ``--microbatches``, by default two per pp rank."""
-    return cfg.microbatches or 2 * dim_size(mesh, "pp")
+    """Microbatches a pipeline step is cut into: ``--microbatches`` (by default two per pp rank) per ``--grad-accum``
+    micro-step. A pipeline accumulates over its microbatches already, so ``--grad-accum N`` is one engine step over N
+    times the microbatches, each as large as one micro-step's would be: the same sum of gradients as N engine
+    steps, but with one dp reduction (overlapped with the last microbatch's backward), one tied-weight sum over pp
+    and one pipeline fill and drain per optimizer step, not N. (A 1F1B-family schedule keeps at most pp
+    microbatches' activations alive whatever their number; gpipe keeps all of them.)"""
+    return (cfg.microbatches or 2 * dim_size(mesh, "pp")) * cfg.grad_accum
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to a tenth of ``cfg.lr``."""
+    """Linear warm-up over ``--warmup`` steps to ``--lr``, then ``--lr-schedule``: cosine or linear decay to
+    ``--min-lr`` (default a tenth of ``--lr``) reached at the last step, or constant at ``--lr``."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    floor = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    left = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    return floor + (cfg.lr - floor) * left
 
 
 def train_watched(cfg: TrainConfig) -> dict:
@@ -250,21 +399,26 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     """Run the job on this rank (the default process group is initialised); rank 0 returns the summary. ``watch``
     (a ``watch_collectives``) learns the mesh's dims."""
     from vescale import checkpoint
-    from vescale.parallel import clip_grad_norm_
+    from vescale.parallel import DistributedOptimizer, clip_grad_norm_
 
-    rank, mesh, out = dist.get_rank(), init_mesh(cfg.dims), Path(cfg.out)
+    rank, mesh, out = dist.get_rank(), init_mesh(mesh_dims(cfg)), Path(cfg.out)
     if watch is not None:
         watch.add_mesh(mesh)
-    check_fits(cfg, models.model_spec(cfg.model), *(dim_size(mesh, n) for n in ("pp", "dp", "tp")))
-    device, dp, pp = rank_device(), dim_size(mesh, "dp"), dim_size(mesh, "pp")
-    dp_rank = sub_mesh(mesh, "dp").get_local_rank() if dp > 1 else 0
+    check_fits(cfg, models.model_spec(cfg.model), dim_size(mesh, "pp"), dp_size(mesh), dim_size(mesh, "tp"))
+    device, dp, pp = rank_device(), dp_size(mesh), dim_size(mesh, "pp")
+    dp_rank = dp_mesh(mesh).get_local_rank() if dp > 1 else 0
+    corpus = open_data(cfg, models.model_spec(cfg.model).vocab_size)  # prepared by main: a cache hit here
     trainer = build_trainer(cfg, mesh)
-    corpus = MarkovCorpus(models.model_spec(cfg.model).vocab_size, cfg.seed)
-    start = 0
+    start, offset = 0, 0  # offset: data position (sequences) minus step x batch size, from a resumed checkpoint
     if cfg.resume:
-        progress = {"step": 0}
+        progress = {"step": 0, "sequences": 0, "data": ""}
         checkpoint.load(cfg.resume, {**trainer.state, "progress": progress})
         start = int(progress["step"])
+        offset, note = resume_offset(progress, corpus, cfg.batch_size)
+        if note:
+            log(cfg, note)
+    monitor = TextMonitor(cfg, corpus, trainer.state["model"], dp_rank=dp_rank, dp=dp, device=device,
+                          dp_group=dp_mesh(mesh).get_group() if dp > 1 else None, log=lambda m: log(cfg, m))
     run_log = RunLog(out, cfg.steps, start, active=rank == 0, append=bool(cfg.resume), quiet=cfg.quiet)
     window = TimelineWindow(mesh, start, cfg.steps, cfg.trace_steps, out / "timeline.json")
     tokens_per_step, pending_save, t_start = cfg.batch_size * cfg.seq_len, None, time.perf_counter()
@@ -272,7 +426,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     for step in range(start, cfg.steps):
         window.before(step)
         t0 = time.perf_counter()
-        tokens = corpus.batch(step, cfg.batch_size, cfg.seq_len).chunk(dp)[dp_rank].to(device)
+        tokens = corpus.batch(step, cfg.batch_size, cfg.seq_len, offset).chunk(dp)[dp_rank].to(device)
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -281,7 +435,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
             if cfg.grad_dump and step == start:  # before clipping and the update: the raw gradient of the batch
                 at = mesh_coordinates(mesh)  # one copy of each gradient: the dp and tp replicas' first
                 dump_grads(trainer.grads(), cfg.grad_dump, keep=at.get("dp", 0) == at.get("tp", 0) == 0)
-            if cfg.clip and not cfg.zero:  # (ZeRO's optimizer clips its shards itself)
+            if cfg.clip and not isinstance(trainer.optimizer, DistributedOptimizer):  # (that one clips itself)
                 clip_grad_norm_(trainer.parameters, cfg.clip,
                                 pp_group=sub_mesh(mesh, "pp").get_group() if pp > 1 else None)
             trainer.optimizer.step()
@@ -289,20 +443,27 @@ def train(cfg: TrainConfig, watch=None) -> dict:
             comms = counter.summary()
         if dp > 1:  # the logged loss is the global-batch mean, as one device computes it
             loss = loss.clone()
-            dist.all_reduce(loss, group=sub_mesh(mesh, "dp").get_group())
+            dist.all_reduce(loss, group=dp_mesh(mesh).get_group())
             loss /= dp
         dt = time.perf_counter() - t0
         window.after(step)
         run_log.step(step, {"step": step + 1, "loss": float(loss), "lr": lr_at(step, cfg), "step_s": dt,
-                            "tokens_per_s": tokens_per_step / dt})
+                            "tokens_per_s": tokens_per_step / dt, **monitor.after_step(step)})
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
             if pending_save is not None:
                 pending_save.wait()
             pending_save = checkpoint.save(out / "ckpt" / f"step_{step + 1}",
-                                           {**trainer.state, "progress": {"step": step + 1}}, async_save=True)
+                                           {**trainer.state, "progress": {
+                                               "step": step + 1, "data": corpus.fingerprint,
+                                               "sequences": offset + (step + 1) * cfg.batch_size}},
+                                           async_save=True)
     if pending_save is not None:
         pending_save.wait()
     wall = time.perf_counter() - t_start
+    if not cfg.quiet and cfg.steps > start:  # what the model learned, in text (real data, no pp)
+        monitor.sample(cfg.steps - 1)
+    if cfg.export_hf:
+        export_hf(cfg, trainer, out)
     # one gather: peak memory MB, init seconds, init bytes of every rank
     per_rank = gather_per_rank([peak_memory_mb(), trainer.init_s, trainer.init_bytes], device)
     if rank != 0:
@@ -311,20 +472,56 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     return run_log.finish({
         "mesh": cfg.dims, "model": cfg.model, "parameters": trainer.num_params, "steps": cfg.steps,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+        "data": cfg.data, "data_fingerprint": corpus.fingerprint,
+        "final_eval_loss": next((r["eval_loss"] for r in reversed(run_log.records) if "eval_loss" in r), None),
         "corpus_entropy": corpus.entropy(), "tokens_per_s": tokens_per_step * max(1, cfg.steps - start) / wall,
         "wall_s": wall, "peak_memory_mb_per_rank": [round(float(p), 1) for p in per_rank[:, 0]], "init": cfg.init,
         "init_s_per_rank": [round(float(t), 3) for t in per_rank[:, 1]],
         "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in per_rank[:, 2]],
         "communication_share_traced_steps": window.comm_share, "collectives_one_step": comms,
-        "grad_accum": cfg.grad_accum,
+        "grad_accum": cfg.grad_accum, **throughput(cfg, trainer, tokens_per_step * max(1, cfg.steps - start) / wall,
+                                                   dist.get_world_size()),
+        "export_hf": cfg.export_hf,
     }, corpus.entropy())
+
+
+def throughput(cfg: TrainConfig, trainer: Trainer, tokens_per_s: float, devices: int) -> dict:
+    """The figures runs are compared by: model FLOPs per token (``6 N + 12 L d T``, ``models.flops_per_token``),
+    the model TFLOP/s they make at ``tokens_per_s``, and with ``--peak-tflops`` the model FLOPs utilisation: that
+    rate over ``devices`` x the peak."""
+    achieved = trainer.flops_per_token * tokens_per_s / 1e12
+    return {"model_flops_per_token": trainer.flops_per_token, "model_tflops": achieved,
+            "mfu": achieved / (devices * cfg.peak_tflops) if cfg.peak_tflops else None}
+
+
+def export_hf(cfg: TrainConfig, trainer: Trainer, out: Path) -> None:
+    """``--export-hf DIR``: the trained weights as a directory ``from_pretrained`` loads; collective. Every rank
+    saves the model part it holds (a vescale checkpoint under ``out``: any mesh, replicas written once), rank 0
+    converts it (``models.export_pretrained``: config.json, and the tokenizer of ``--tokenizer`` or of the model
+    directory when it has one) and removes the checkpoint."""
+    import shutil
+
+    from vescale import checkpoint
+
+    tmp = out / "export-hf-ckpt"
+    checkpoint.save(tmp, {"model": trainer.state["model"]})
+    if dist.get_rank() == 0:
+        tokenizer = getattr(cfg, "tokenizer", None) or (cfg.model if models.has_tokenizer(cfg.model) else None)
+        models.export_pretrained(str(tmp), cfg.export_hf, cfg.model, tokenizer)
+        shutil.rmtree(tmp)
+        with_tokenizer = f" with the tokenizer of {tokenizer}" if tokenizer else ""
+        log(cfg, f"exported the model to {cfg.export_hf}{with_tokenizer}")
 
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv, description=__doc__.splitlines()[0])
     world = math.prod(cfg.dims.values())
     # Checked here, before any rank starts, so a bad mesh is one clear message rather than one per rank.
-    check_fits(cfg, models.model_spec(cfg.model), *(cfg.dims.get(n, 1) for n in ("pp", "dp", "tp")))
+    check_fits(cfg, models.model_spec(cfg.model), cfg.dims.get("pp", 1), dp_dims(cfg.dims), cfg.dims.get("tp", 1))
+    try:  # tokenized once, here, before the ranks start (each rank then opens the cached token file)
+        open_data(cfg, models.model_spec(cfg.model).vocab_size)
+    except DataError as exc:
+        raise SystemExit(f"train.py: {exc}") from None
     # torch's flight recorder (gloo and NCCL): each rank's last collectives, in collectives-rank<r>.json on a hang;
     # NCCL also dumps it to <out>/flight-recorder-rank<r> when its watchdog times a collective out.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")

@@ -56,8 +56,8 @@ def main() -> None:
     if not args.from_json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     if not args.no_write:
-        import transformers
         import torch
+        import transformers
 
         text = README.read_text()
         block = (f"{BEGIN}\n\ntransformers {transformers.__version__}, torch {torch.__version__.split('+')[0]}; "

@@ -4,12 +4,17 @@
 
 Compares, per rank (the slowest rank's median step time; peak memory of the rank process):
   * vescale ``DistributedDataParallel`` (ZeRO 0)  vs  ``torch.nn.parallel.DistributedDataParallel``
+  * vescale ZeRO 1 (DDP + ``DistributedOptimizer(zero_stage=1)``)
   * vescale ZeRO 2 (DDP ``zero_stage=2`` + ``DistributedOptimizer``)  vs  torch ``fully_shard`` with
     ``reshard_after_forward=False`` (FSDP2 in its ZeRO-2-like mode)
+  * vescale ZeRO 3 (``fully_shard_dp``)  vs  torch ``fully_shard`` per block and root, used directly
 all with ``torch.optim.AdamW`` on the nanoGPT-style GPT of ``vescale.core.testing.models``. Every configuration runs in
 fresh rank processes, so peak memory is its own: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the growth of the
-process's peak RSS over its size before the model was built. Optimizer-state bytes are counted from the state
-tensors. Prints one JSON object with the figures and the ratios (vescale / torch; < 1 is better for vescale).
+process's peak RSS over its size before the model was built. Held bytes per rank are also counted from the tensors
+after the last step (parameters, gradients with their buffers, optimizer states) and set beside the theoretical
+figures of each ZeRO stage for P fp32 parameters over dp ranks with AdamW (params / grads / optimizer bytes): ZeRO 0
+4P / 4P / 8P, ZeRO 1 4P / 4P / 8P/dp, ZeRO 2 4P / 4P/dp / 8P/dp, ZeRO 3 4P/dp / 4P/dp / 8P/dp. Prints one JSON object
+with the figures and the ratios (vescale / torch; < 1 is better for vescale).
 """
 
 from __future__ import annotations
@@ -52,13 +57,49 @@ def _run(method: str, small: bool, steps: int) -> dict:
     base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, state, numel = _train(method, *_config(small), steps, device, cuda)
+    times, state, numel, held = _train(method, *_config(small), steps, device, cuda)
     peak = (torch.cuda.max_memory_allocated() if cuda else _rss_bytes()) - base
     # The slowest rank's median step, and the largest per-rank memory figures.
-    worst = torch.tensor([statistics.median(times), peak, state], dtype=torch.float64, device=device)
+    worst = torch.tensor([statistics.median(times), peak, state, *held], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    held_bytes = dict(zip(("params", "grads", "optimizer"), (int(v) for v in worst[3:].tolist())))
     return {"step_s": worst[0].item(), "peak_mem_bytes": int(worst[1].item()), "opt_state_bytes": int(worst[2].item()),
-            "full_opt_state_bytes": 2 * 4 * numel, "params": numel}
+            "full_opt_state_bytes": 2 * 4 * numel, "params": numel, "held_bytes_per_rank": held_bytes,
+            "theory_bytes_per_rank": _theory(method, numel, dist.get_world_size())}
+
+
+# ZeRO stage of each method, for its theoretical bytes per rank.
+_STAGE = {"torch_ddp": 0, "vescale_ddp": 0, "vescale_zero1": 1, "vescale_zero2": 2, "torch_fsdp2_no_reshard": 2,
+          "vescale_zero3": 3, "torch_fsdp2": 3}
+
+
+def _theory(method: str, numel: int, dp: int) -> dict:
+    """Bytes per rank of fp32 parameters, gradients and AdamW's two states at this method's ZeRO stage."""
+    stage = _STAGE[method]
+    return {"params": 4 * numel // (dp if stage >= 3 else 1), "grads": 4 * numel // (dp if stage >= 2 else 1),
+            "optimizer": 8 * numel // (dp if stage >= 1 else 1)}
+
+
+def _held(model, opt, method: str) -> list[int]:
+    """Bytes this rank holds after a step: parameters, gradients (vescale DDP: its flat buffers and ZeRO-2 shards;
+    else the ``.grad`` tensors), optimizer states (vescale ZeRO: its fp32 masters too, when not aliased)."""
+    import torch
+
+    def nbytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = sum(nbytes(p) for p in model.parameters())
+    if hasattr(model, "grad_buffer_bytes"):
+        grads = model.grad_buffer_bytes()
+    else:
+        grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    inner = opt.optimizer if hasattr(opt, "master_bytes") else opt
+    state = sum(nbytes(v) for st in inner.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    if hasattr(opt, "master_bytes"):
+        state += opt.master_bytes()
+    return [params, grads, state]
 
 
 def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: bool):
@@ -90,11 +131,28 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    elif method == "vescale_zero2":
+    elif method in ("vescale_zero1", "vescale_zero2"):
         from vescale.parallel import DistributedDataParallel, DistributedOptimizer
 
-        model = DistributedDataParallel(model, dist.group.WORLD, zero_stage=2)
-        opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=2, lr=1e-4)
+        stage = _STAGE[method]
+        model = DistributedDataParallel(model, dist.group.WORLD, zero_stage=stage if stage == 2 else 0)
+        opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=stage, lr=1e-4)
+    elif method == "torch_fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif method == "vescale_zero3":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from vescale.parallel import fully_shard_dp
+
+        model = fully_shard_dp(model, init_device_mesh(device.type, (world,), mesh_dim_names=("dp",)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         raise ValueError(method)
 
@@ -108,19 +166,21 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         opt.step()
+        if step == steps:  # what a rank holds at its fullest: after the update, before the gradients are freed
+            held = _held(model, opt, method)
         opt.zero_grad()
         if cuda:
             torch.cuda.synchronize()
         if step >= 1:
             times.append(time.perf_counter() - t0)
-    inner = opt.optimizer if hasattr(opt, "optimizer") and method == "vescale_zero2" else opt
+    inner = opt.optimizer if hasattr(opt, "optimizer") and method.startswith("vescale_zero") else opt
     state = 0
     for st in inner.state.values():
         for v in st.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 local = v.to_local() if hasattr(v, "to_local") else v
                 state += local.numel() * local.element_size()
-    return times, state, numel
+    return times, state, numel, held
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -128,14 +188,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--small", action="store_true", help="tiny model, few steps (a smoke run)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--only", nargs="+", choices=sorted(_STAGE), help="run these methods only (no ratios)")
     args = parser.parse_args(argv)
     steps = args.steps or (3 if args.small else 10)
 
     from vescale.core.launch import spawn
 
     results = {}
-    for method in ("torch_ddp", "vescale_ddp", "torch_fsdp2_no_reshard", "vescale_zero2"):
+    methods = ("torch_ddp", "vescale_ddp", "vescale_zero1", "torch_fsdp2_no_reshard", "vescale_zero2", "torch_fsdp2",
+               "vescale_zero3")
+    for method in args.only or methods:
         results[method] = spawn(_run, args.world_size, method, args.small, steps)
+    if args.only:
+        print(json.dumps({"bench": "dp", "world_size": args.world_size, "results": results}, indent=1))
+        return results
     full = results["vescale_zero2"]["full_opt_state_bytes"]
     dp = args.world_size
     out = {
@@ -151,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
         "zero2_step_time_ratio": results["vescale_zero2"]["step_s"] / results["torch_fsdp2_no_reshard"]["step_s"],
         "zero2_peak_mem_ratio": _ratio(results["vescale_zero2"]["peak_mem_bytes"],
                                        results["torch_fsdp2_no_reshard"]["peak_mem_bytes"]),
+        "zero3_step_time_ratio": results["vescale_zero3"]["step_s"] / results["torch_fsdp2"]["step_s"],
+        "zero3_peak_mem_ratio": _ratio(results["vescale_zero3"]["peak_mem_bytes"],
+                                       results["torch_fsdp2"]["peak_mem_bytes"]),
         "zero2_opt_state_vs_full_over_dp": results["vescale_zero2"]["opt_state_bytes"] * dp / full,
         "fsdp2_opt_state_vs_full_over_dp": results["torch_fsdp2_no_reshard"]["opt_state_bytes"] * dp / full,
     }

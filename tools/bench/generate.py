@@ -6,8 +6,9 @@
 a small one (dispatch-bound, like a GPU decode step: 0.11M parameters) and a larger one (6.5M parameters,
 ``--small`` skips it), on a ``tp`` mesh:
 
-* vescale: ``vescale.parallel.parallelize_module`` with ``llama_plan`` (DTensor activations inside the model, plain
-  tensors at its boundary, the KV cache sharded by heads);
+* vescale: ``vescale.parallel.parallelize_module`` with ``llama_plan`` (DTensor activations between the blocks, the
+  attention and MLP blocks on local tensors by the fast path of :class:`vescale.parallel.local.FastBlock`, plain
+  tensors at the model's boundary, the KV cache sharded by heads);
 * torch: ``torch.distributed.tensor.parallel.parallelize_module`` with Colwise q/k/v/gate/up, Rowwise o/down, a
   vocab-parallel embedding and a column-parallel lm head gathered to plain logits (local activations inside: the
   model sees plain tensors of its own heads).

@@ -130,3 +130,25 @@ def test_failed_save_stays_invisible_and_keeps_the_previous_checkpoint(tmp_path)
     checkpoint.load(path, fresh)
     assert all(torch.equal(fresh[k], old[k]) for k in ("w", "b")) and fresh["step"] == 5
     checkpoint.verify(path)
+
+
+def test_everything_raised_on_purpose_is_a_checkpoint_error(tmp_path):
+    from vescale.checkpoint import UnsupportedStateError
+
+    cases = [
+        ({"handle": object()}, "'handle' of type object"),                      # a value the format cannot store
+        ({"z": torch.zeros(2, dtype=torch.complex128)}, "'z' has dtype"),       # a dtype the format lacks
+        ({"a": {"b": torch.zeros(1)}, "a.b": torch.zeros(1)}, "same key 'a.b'"),  # two entries, one key
+    ]
+    for state, match in cases:
+        with pytest.raises(UnsupportedStateError, match=match) as err:
+            checkpoint.save(tmp_path / "ckpt", state)
+        # still the built-ins callers caught before
+        assert isinstance(err.value, checkpoint.CheckpointError) and isinstance(err.value, (TypeError, ValueError))
+    with pytest.raises(UnsupportedStateError, match="state must be a dict"):
+        checkpoint.save(tmp_path / "ckpt", [torch.zeros(2)])
+    checkpoint.save(tmp_path / "ckpt", {"pair": (torch.zeros(2), 5)})
+    state = {"pair": (torch.ones(2), 6)}  # a tuple cannot take the saved 5
+    with pytest.raises(UnsupportedStateError, match=r"cannot assign 'pair\.1' inside a tuple"):
+        checkpoint.load(tmp_path / "ckpt", state)
+    assert torch.equal(state["pair"][0], torch.ones(2))  # checked before anything was written

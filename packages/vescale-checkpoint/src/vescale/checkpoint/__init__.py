@@ -18,6 +18,7 @@ from vescale.checkpoint.errors import (
                                        CheckpointNotFoundError,
                                        CorruptCheckpointError,
                                        StateMismatchError,
+                                       UnsupportedStateError,
 )
 from vescale.checkpoint.format import FORMAT_VERSION
 from vescale.checkpoint.hf import export_hf, import_hf
@@ -38,4 +39,5 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "StateMismatchError",
+    "UnsupportedStateError",
 ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vescale.checkpoint.errors import UnsupportedStateError
 from vescale.core import torch_internals
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
@@ -62,8 +63,8 @@ def local_pieces(t: torch.Tensor, key: str) -> list[Piece]:
     if not is_dtensor(t):
         return [Piece(tuple(0 for _ in t.shape), tuple(t.shape), t)]
     if any(p.is_partial() for p in t.placements):
-        raise ValueError(f"DTensor {key!r} has Partial placements {t.placements}: reduce it before saving or "
-                         "loading into it")
+        raise UnsupportedStateError(f"DTensor {key!r} has Partial placements {t.placements}: reduce it before "
+                                    "saving or loading into it")
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
@@ -83,8 +84,9 @@ def local_pieces(t: torch.Tensor, key: str) -> list[Piece]:
         _RUNS[cache_key] = runs_per_dim
     expect = tuple(sum(r[1] for r in runs) for runs in runs_per_dim)
     if expect != tuple(local.shape):
-        raise ValueError(f"DTensor {key!r}: local shape {tuple(local.shape)} does not match {expect} derived from "
-                         f"placements {t.placements} on mesh {tuple(mesh.shape)} for global shape {shape}")
+        raise UnsupportedStateError(f"DTensor {key!r}: local shape {tuple(local.shape)} does not match {expect} "
+                                    f"derived from placements {t.placements} on mesh {tuple(mesh.shape)} for "
+                                    f"global shape {shape}")
     pieces = []
     for combo in itertools.product(*runs_per_dim):
         offsets = tuple(r[0] for r in combo)
@@ -154,8 +156,8 @@ def _is_ragged(placement) -> bool:
 def _ragged_pieces(t, key: str, ragged: list, coord: list[int]) -> list[Piece]:
     """Boxes of a DTensor whose leading dims are flattened and split in contiguous, unequal row ranges."""
     if len(ragged) != 1 or any(not p.is_replicate() for m, p in enumerate(t.placements) if m != ragged[0][0]):
-        raise ValueError(f"DTensor {key!r}: placements {t.placements} have a RaggedShard with other non-Replicate "
-                         "placements, which vescale.checkpoint cannot map to boxes")
+        raise UnsupportedStateError(f"DTensor {key!r}: placements {t.placements} have a RaggedShard with other "
+                                    "non-Replicate placements, which vescale.checkpoint cannot map to boxes")
     mesh_dim, placement = ragged[0]
     shape = tuple(t.shape)
     k = len(placement.dims)

@@ -5,12 +5,22 @@ everyone's needs and the metadata, all ranks derive the same plan (reused while 
 the same layout again): every stored shard that anyone needs is read by exactly one of the ranks needing it (fewest
 bytes read so far, largest shards first), checked against all its chunk checksums, and the overlapping sub-boxes
 are sent point to point to the other ranks needing them; reading then proceeds in rounds of bounded size, and a
-damaged shard found by any rank fails the load on every rank before the targets of its round are filled. On one
-host with a local file system each needing rank instead reads, with one positional read, just the byte span its
-parts cover (see :mod:`vescale.checkpoint._local_read`), the page cache serving the repeats; each checksum chunk is
-checked by one of the ranks that read it, so the checking is spread and no rank reads bytes only to check them
-where a rank reading them anyway can. A damaged shard found by any rank fails the load on every rank (targets may
-then be partly filled). A needing rank whose target is exactly the stored shard reads straight into its memory.
+damaged shard found by any rank fails the load on every rank. On one host with a local file system each needing
+rank instead reads, with one positional read, just the byte span its parts cover (see
+:mod:`vescale.checkpoint._local_read`), the page cache serving the repeats; each checksum chunk is checked by one of
+the ranks that read it, so the checking is spread and no rank reads bytes only to check them where a rank reading
+them anyway can. A needing rank whose target is exactly the stored shard reads straight into its memory.
+
+A checkpoint is untrusted input, and a load that fails changes nothing: rank 0 checks the metadata against its
+schema and the data files' sizes against the storage (:mod:`vescale.checkpoint._schema`) before anything is
+allocated from it; every rank then checks everything it will use (its checksum chunks, the decompression of its
+compressed shards, the values and the state's own constraints) before any target tensor, optimizer state or value
+is written, and the ranks agree on the outcome in one small collective on the checkpoint group (stage, then
+commit). Checking reads the chunks once before the fill reads them again (from the page cache on the local path);
+the read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks
+first and reads again. Any failure raises on every rank, naming the file and the tensor, and leaves every rank's
+state bitwise as it was; errors other than corruption (a permission, a failing disk) are agreed on the same way,
+so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -28,15 +38,17 @@ import torch
 
 from vescale.checkpoint import _values
 from vescale.checkpoint._comm import Comm, io_threads
+from vescale.checkpoint._crc import crc32
 from vescale.checkpoint._gc import collector_paused
 from vescale.checkpoint._layout import intersect, relative
-from vescale.checkpoint._local_read import byte_span, read_parts, release_buffer
+from vescale.checkpoint._local_read import byte_span, check_chunks_read, read_parts, release_buffer
 from vescale.checkpoint._reader import chunk_spans, read_metadata, read_shard, shard_nbytes, tensor_dtype
 from vescale.checkpoint._save import wait_pending
 from vescale.checkpoint._save_plan import describe
+from vescale.checkpoint._schema import check_file_sizes
 from vescale.checkpoint._state import flatten
 from vescale.checkpoint._storage import Storage
-from vescale.checkpoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from vescale.checkpoint.errors import CheckpointError, StateMismatchError
 from vescale.checkpoint.format import dtype_name
 
 __all__ = ["load", "LoadResult"]
@@ -55,21 +67,51 @@ class LoadResult:
     mismatched: list[str] = field(default_factory=list)
 
 
-def _broadcast_metadata(storage: Storage, comm: Comm) -> dict[str, Any]:
+def _broadcast_metadata(storage: Storage, comm: Comm) -> tuple[dict[str, Any], int]:
+    """Rank 0 reads and checks the metadata and the data files' sizes; every rank gets the metadata and a crc32 of
+    it (what a cached plan was made from), or raises the same error (whatever rank 0 met: no rank is left
+    waiting)."""
+    cause = None
     if comm.rank == 0:
         try:
-            payload = b"M" + json.dumps(read_metadata(storage), separators=(",", ":")).encode()
-        except CheckpointError as exc:
-            payload = b"E" + f"{type(exc).__name__}\n{exc}".encode()
+            meta = read_metadata(storage)
+            check_file_sizes(storage, meta)
+            payload = b"M" + json.dumps(meta, separators=(",", ":")).encode()
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, none may hang
+            cause = exc
+            payload = b"E" + _error_text(exc, f"reading {storage.url} failed").encode()
     else:
         payload = None
     payload = comm.broadcast_bytes(payload, 0)
     if payload[:1] == b"E":
-        kind, message = payload[1:].decode().split("\n", 1)
-        from vescale.checkpoint import errors
+        raise _error_from_text(payload[1:].decode()) from cause
+    return json.loads(payload[1:]), crc32(payload)
 
-        raise getattr(errors, kind, CheckpointError)(message)
-    return json.loads(payload[1:])
+
+def _error_text(exc: BaseException, context: str) -> str:
+    """``exc`` as "<class>\n<message>" for other ranks: a checkpoint error keeps its class, any other becomes a
+    :class:`CheckpointError` whose message says ``context``."""
+    if isinstance(exc, CheckpointError):
+        return f"{type(exc).__name__}\n{exc}"
+    return f"CheckpointError\n{context}: {type(exc).__name__}: {exc}"
+
+
+def _error_from_text(text: str) -> CheckpointError:
+    from vescale.checkpoint import errors
+
+    kind, message = text.split("\n", 1)
+    cls = getattr(errors, kind, CheckpointError)
+    if cls is errors.StateMismatchError:
+        return cls(message, message.split("\n  ")[1:])
+    return cls(message) if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError(message)
+
+
+def _agree(comm: Comm, error: str | None) -> None:
+    """One small collective: every rank's error text (or None); the first one raises on every rank."""
+    errors = comm.all_gather_json(error) if comm.world > 1 else [error]
+    first = next((e for e in errors if e), None)
+    if first:
+        raise _error_from_text(first)
 
 
 def _check(requests: list[dict], meta: dict, strict: bool) -> tuple[LoadResult, set[str]]:
@@ -180,10 +222,12 @@ def _plan(requests: list[dict], meta: dict, skip: set[str], dedup: bool) -> list
     return reads
 
 
-def _cached_plan(storage: Storage, meta: dict, requests: list[dict], skip: set[str], dedup: bool) -> list[_Read]:
-    """:func:`_plan`, reused while the same checkpoint (path and save id) is loaded into states of the same layout."""
+def _cached_plan(storage: Storage, meta: dict, digest: int, requests: list[dict], skip: set[str], dedup: bool
+                 ) -> list[_Read]:
+    """:func:`_plan`, reused while the same checkpoint (path, save id, metadata digest) is loaded into states of the
+    same layout."""
     global _last_plan
-    key = json.dumps([storage.url, meta["save_id"], dedup, sorted(skip), requests], separators=(",", ":"))
+    key = json.dumps([storage.url, meta["save_id"], digest, dedup, sorted(skip), requests], separators=(",", ":"))
     if _last_plan is None or _last_plan[0] != key:
         _last_plan = (key, _plan(requests, meta, skip, dedup))
     return _last_plan[1]
@@ -214,8 +258,10 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     state yet get it built first. With ``strict`` (default) any missing or unexpected key and any shape or dtype
     mismatch raises :class:`StateMismatchError` listing all of them, on every rank, before any data is read; with
     ``strict=False`` those keys are skipped (dtypes cast) and reported in the returned :class:`LoadResult`.
-    Damaged or truncated data raises :class:`CorruptCheckpointError` naming the file (checksums are checked
-    unless ``verify=False``).
+    Damaged, truncated or malformed data raises :class:`CorruptCheckpointError` naming the file, the field or the
+    tensor (checksums are checked unless ``verify=False``; the metadata's schema always). A load that fails on
+    any rank raises on every rank and leaves every rank's state as it was: nothing is written before every rank
+    has checked what it will use.
 
     ``threads``: I/O threads per rank (default: the host's CPUs divided among its ranks, 1 to 8).
     ``dedup_reads``: each stored shard is read by one rank and sent to the others needing it (True), or read by
@@ -225,9 +271,10 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     wait_pending()
     comm = Comm()
     storage = Storage(path, storage_options)
-    meta = _broadcast_metadata(storage, comm)
+    meta, digest = _broadcast_metadata(storage, comm)
     saved = meta["tensors"]
     error: Exception | None = None
+    decoded: dict[str, Any] = {}
     try:
         flat = flatten(state, init_optimizer=lambda key: any(k.startswith(f"{key}.state.") for k in saved))
         replaced = {}
@@ -238,6 +285,10 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
                 replaced[key] = torch.empty(info["shape"], dtype=tensor_dtype(info), device=t.device)
         flat.tensors.update(replaced)
         desc, pieces, _ = describe(flat, flat.tensors)
+        for key in flat.values:  # decoded and checked now, assigned only once everything else succeeded
+            if key in meta["values"]:
+                decoded[key] = _values.decode(meta["values"][key], key)
+                flat.check_value(key, decoded[key])
         request = {"tensors": desc, "values": sorted(flat.values), "host": socket.gethostname()}
     except Exception as exc:  # noqa: BLE001 - bad input: every rank must learn of it, none may hang
         error, request = exc, {"error": f"{type(exc).__name__}: {exc}"}
@@ -250,28 +301,66 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     result, skip = _check(requests, meta, strict)
     if dedup_reads is None:
         dedup_reads = not (storage.local and len({req["host"] for req in requests}) == 1)
-    reads = _cached_plan(storage, meta, requests, skip, dedup_reads)
+    reads = _cached_plan(storage, meta, digest, requests, skip, dedup_reads)
     workers = io_threads(threads, comm)
     with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:  # one: this thread
         if storage.local and not dedup_reads:
             _read_local(reads, comm, storage, pieces, saved, verify, pool)
         else:
-            for batch in _rounds(reads):
-                _run_round(batch, comm, storage, pieces, saved, verify, pool)
+            _read_once(reads, comm, storage, pieces, saved, verify, pool)
     for key, t in replaced.items():
         flat.tensor_setters[key](t)
     for key in flat.values:
         if key not in skip:
-            flat.setters[key](_values.decode(meta["values"][key]))
+            flat.setters[key](decoded[key])
     for finalize in flat.finalizers:
         finalize()
     return result
 
 
+def _check_reads(mine: list[_Read], storage: Storage, saved: dict, verify: bool, pool: ThreadPoolExecutor | None,
+                 keep: bool) -> tuple[dict[int, torch.Tensor], str | None]:
+    """Check this rank's reads without writing any target: the checksum ``chunks`` of each (when ``verify``) and
+    the decompression of each compressed shard. Returns the decompressed shards (by ``id`` of their read) when
+    ``keep``, and the first error as :func:`_error_text` (naming the file and the tensor), or None."""
+    staged: dict[int, torch.Tensor] = {}
+
+    def check(rd: _Read) -> None:
+        chunks = rd.chunks if verify else []
+        try:
+            if rd.shard["codec"] != "raw":
+                data = read_shard(storage, rd.shard, tensor_dtype(saved[rd.key]), verify=chunks)
+                if keep:
+                    staged[id(rd)] = data
+            elif chunks:
+                check_chunks_read(storage, rd.shard, chunks)
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised
+            where = storage.where(rd.shard["file"])
+            raise _Failed(_error_text(exc, f"reading {where} failed") + f" (tensor {rd.key!r})") from exc
+
+    try:
+        for _ in (pool.map if pool else map)(check, mine):
+            pass
+    except _Failed as exc:
+        return staged, str(exc)
+    finally:
+        release_buffer()
+    return staged, None
+
+
+class _Failed(Exception):
+    """A read that failed, carried as its error text (internal)."""
+
+
 def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
                 pool: ThreadPoolExecutor | None) -> None:
-    """Every rank reads its own parts of the shards it needs from local files and checks its share of the chunks;
-    a damaged shard found by any rank fails the load on every rank (targets may then be partly filled)."""
+    """Every rank reads its own parts of the shards it needs from local files. First each checks its share of the
+    chunks (and decompresses its compressed shards), the ranks agree that all are intact, and only then does each
+    fill its targets (the chunks read again, from the page cache): a damaged shard found by any rank fails the
+    load on every rank with every target unchanged."""
+    mine = [rd for rd in reads if rd.reader == comm.rank]
+    staged, error = _check_reads(mine, storage, saved, verify, pool, keep=True)
+    _agree(comm, error)
 
     def fill(rd: _Read) -> None:
         dtype = tensor_dtype(saved[rd.key])
@@ -280,29 +369,40 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
         for _, j, inter in rd.needs:
             piece = pieces[rd.key][j]
             parts.append((tuple(o - so for o, so in zip(inter[0], origin)), piece.view[relative(inter, piece.offsets)]))
-        chunks = rd.chunks if verify else []
         if rd.shard["codec"] == "raw":
-            read_parts(storage, rd.shard, dtype, parts, chunks)
+            read_parts(storage, rd.shard, dtype, parts, [])
             return
-        data = read_shard(storage, rd.shard, dtype, verify=chunks)
+        data = staged[id(rd)]
         for offs, target in parts:
             target.copy_(data[tuple(slice(o, o + n) for o, n in zip(offs, target.shape))])
 
-    error = None
     try:
-        for _ in (pool.map if pool else map)(fill, [rd for rd in reads if rd.reader == comm.rank]):
+        for _ in (pool.map if pool else map)(fill, mine):
             pass
-    except CorruptCheckpointError as exc:
-        error = str(exc)
     finally:
         release_buffer()
-    first = next((e for e in (comm.all_gather_json(error) if comm.world > 1 else [error]) if e), None)
-    if first:
-        raise CorruptCheckpointError(first)
+
+
+def _read_once(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
+               pool: ThreadPoolExecutor | None) -> None:
+    """Each stored shard read by one rank and sent to the others needing it. When what every rank reads fits in
+    one round, the round stages it all (read, checked, agreed) before any target is filled; otherwise every rank
+    first checks its shards (read and discarded), the ranks agree, and the rounds then read again unchecked."""
+    batches = _rounds(reads)
+    if len(batches) <= 1:
+        for batch in batches:
+            _run_round(batch, comm, storage, pieces, saved, verify, pool, staged=True)
+        return
+    _, error = _check_reads([rd for rd in reads if rd.reader == comm.rank], storage, saved, verify, pool, keep=False)
+    _agree(comm, error)
+    for batch in batches:
+        _run_round(batch, comm, storage, pieces, saved, False, pool, staged=False)
 
 
 def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
-               pool: ThreadPoolExecutor | None) -> None:
+               pool: ThreadPoolExecutor | None, staged: bool) -> None:
+    """Read this rank's shards of ``batch``, agree that all ranks' reads succeeded, then send and fill. ``staged``:
+    nothing is read straight into a target (the round is the whole load and must change nothing if it fails)."""
     me = comm.rank
 
     def read(rd: _Read) -> tuple[torch.Tensor, bool, tuple[int, ...]]:
@@ -312,12 +412,16 @@ def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, s
         box = (tuple(rd.shard["offsets"]), tuple(rd.shard["lengths"]))
         direct = None
         for r, j, inter in rd.needs:
-            if r == me and inter == box and rd.shard["codec"] == "raw":
+            if r == me and inter == box and rd.shard["codec"] == "raw" and not staged:
                 piece = pieces[rd.key][j]
                 view = piece.view[relative(inter, piece.offsets)]
                 if view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous():
                     direct = view
-        data = read_shard(storage, rd.shard, dtype, verify=rd.chunks if verify else False, out=direct)
+        try:
+            data = read_shard(storage, rd.shard, dtype, verify=rd.chunks if verify else False, out=direct)
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised
+            where = storage.where(rd.shard["file"])
+            raise _Failed(_error_text(exc, f"reading {where} failed") + f" (tensor {rd.key!r})") from exc
         return data, direct is not None, box[0]
 
     mine = [rd for rd in batch if rd.reader == me]
@@ -326,12 +430,9 @@ def _run_round(batch: list[_Read], comm: Comm, storage: Storage, pieces: dict, s
     try:
         for rd, got in zip(mine, (pool.map if pool else map)(read, mine)):
             data[id(rd)] = got
-    except CorruptCheckpointError as exc:
+    except _Failed as exc:
         error = str(exc)
-    errors = [e for e in comm.all_gather_json(error)] if comm.world > 1 else [error]
-    first = next((e for e in errors if e), None)
-    if first:
-        raise CorruptCheckpointError(first)
+    _agree(comm, error)
 
     # Every part travels as its own message, in the order of the batch on both sides: sent straight from the shard
     # when it is contiguous there, received straight into the target when that is a contiguous CPU tensor of the

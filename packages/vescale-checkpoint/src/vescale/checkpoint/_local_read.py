@@ -4,6 +4,10 @@ chunks this rank was given checked on the bytes read, then the parts copied out 
 
 A column block of a row-major shard costs one read of the rows it spans and one strided copy; a row block costs
 a read of just its rows. The buffer that receives the span is reused by the calling thread between shards.
+
+:func:`check_chunks_read` is the checking half alone: a load checks every chunk first (reading them into the reused
+buffer, in pieces of at most ``_CHECK_BYTES``), agrees across ranks that all are intact, and only then fills the
+targets with :func:`read_parts` (``chunks=[]``), so that a damaged file changes no target.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch
 from vescale.checkpoint._reader import check_chunks, chunk_spans, shard_nbytes
 from vescale.checkpoint._storage import Storage
 
-__all__ = ["read_parts", "byte_span", "release_buffer"]
+__all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read"]
 
 _bounce = threading.local()
+_CHECK_BYTES = 16 << 20  # bytes read at a time to check chunks (whole chunks, at least one)
 
 
 def byte_span(offsets: tuple[int, ...], lengths: tuple[int, ...], shape: list[int], itemsize: int) -> tuple[int, int]:
@@ -69,6 +74,25 @@ def read_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
         if target.numel():
             first = sum(o * s for o, s in zip(offs, strides)) - lo // size
             target.copy_(flat.as_strided(tuple(target.shape), strides, first))
+
+
+def check_chunks_read(storage: Storage, shard: dict[str, Any], chunks: list[int]) -> None:
+    """Read the stored bytes of the shard's checksum ``chunks`` and check them, runs of consecutive chunks at a time
+    (at most ``_CHECK_BYTES`` per read, at least one chunk), into this thread's reused buffer.
+
+    Raises :class:`CorruptCheckpointError` naming the file when it is missing, short, or a chunk fails its checksum.
+    """
+    spans = chunk_spans(shard)
+    run: list[int] = []
+    for i in sorted(chunks) + [None]:
+        if run and (i is None or i != run[-1] + 1 or spans[i][1] - spans[run[0]][0] > _CHECK_BYTES):
+            lo, hi = spans[run[0]][0], spans[run[-1]][1]
+            view = memoryview(_buffer(hi - lo).numpy())
+            storage.read_into(shard["file"], shard["start"] + lo, view)
+            check_chunks(storage.where(shard["file"]), shard, _Shifted(view, lo), run)
+            run = []
+        if i is not None:
+            run.append(i)
 
 
 class _Shifted:

@@ -9,24 +9,70 @@ from typing import Any
 import torch
 
 from vescale.checkpoint._crc import crc32
+from vescale.checkpoint._schema import check_tables
 from vescale.checkpoint._storage import Storage
 from vescale.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from vescale.checkpoint.format import METADATA_FILE, check_metadata, dtype_from_name
 
+#: the largest ``metadata.json`` read (a checkpoint of 10**5 tensors over 10**4 files takes tens of MB)
+MAX_METADATA_BYTES = 1 << 30
+#: the largest safetensors header :func:`read_header` reads (safetensors' own limit)
+MAX_HEADER_BYTES = 100 << 20
+
 
 def read_metadata(storage: Storage) -> dict[str, Any]:
-    """Parse and check ``metadata.json``; a checkpoint without it does not exist (it never committed)."""
+    """Parse ``metadata.json`` and check it against the schema (:func:`format.check_metadata`, then
+    :func:`_schema.check_tables`); a checkpoint without it does not exist (it never committed). Anything malformed
+    raises :class:`CorruptCheckpointError` naming the file and the field."""
     where = storage.where(METADATA_FILE)
     try:
-        data = storage.read_bytes(METADATA_FILE)
+        data = storage.read_bytes(METADATA_FILE, MAX_METADATA_BYTES)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no complete checkpoint at {storage.url}: {where} does not exist (absent, or "
                                       "a save that did not finish)") from None
     try:
         meta = json.loads(data)
-    except ValueError as exc:
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where} is nested too deeply") from None
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CorruptCheckpointError(f"{where} is not valid JSON: {exc}") from None
-    return check_metadata(meta, where)
+    check_metadata(meta, where)
+    check_tables(meta, where)
+    return meta
+
+
+def read_header(storage: Storage, name: str, size: int) -> dict[str, Any]:
+    """The JSON header of the safetensors data file ``name`` of ``size`` bytes, with its ``"__header_end"`` (the
+    offset its data starts at); a header longer than :data:`MAX_HEADER_BYTES` or the file, or not a JSON object
+    of entries with ``dtype``, ``shape`` and two ``data_offsets`` inside the file, raises
+    :class:`CorruptCheckpointError` naming the file."""
+    where = storage.where(name)
+    prefix = bytearray(8)
+    storage.read_into(name, 0, memoryview(prefix))
+    n = int.from_bytes(prefix, "little")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise CorruptCheckpointError(f"checkpoint data file {where}: safetensors header length {n} exceeds the "
+                                     f"file ({size} bytes) or the {MAX_HEADER_BYTES}-byte limit")
+    body = bytearray(n)
+    storage.read_into(name, 8, memoryview(body))
+    try:
+        header = json.loads(bytes(body))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"checkpoint data file {where}: safetensors header is not valid JSON: "
+                                     f"{type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"checkpoint data file {where}: safetensors header is not a JSON object")
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str)
+                or not isinstance(entry.get("shape"), list) or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1] <= size - 8 - n):
+            raise CorruptCheckpointError(f"checkpoint data file {where}: safetensors header entry {key[:80]!r} is "
+                                         "malformed (dtype, shape, data_offsets inside the file)")
+    header["__header_end"] = 8 + n
+    return header
 
 
 def shard_nbytes(shard: dict[str, Any]) -> int:

@@ -135,19 +135,26 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
     plan = _cached
     save_id = f"{nonce:016x}"
     storage = Storage(path, storage_options)
-    storage.makedirs()
+    setup_error = None
     deferred: Deferred | None = None
-    if async_save:
-        if early is None:
-            early = stage(plan, make_jobs(plan, pieces, dtypes, flat.stepped, tensors), io_threads(threads, comm))
-        jobs, deferred = early
-    else:
-        jobs = make_jobs(plan, pieces, dtypes, set(), tensors)
-        for job in jobs:
-            if job.source.device.type != "cpu" or not job.source.is_contiguous():
-                job.source = job.source.to("cpu", copy=False).contiguous()
+    jobs: list[Job] = []
+    try:  # a failure here (the directory, a host copy) is carried into _finish, which every rank reaches
+        storage.makedirs()
+        if async_save:
+            if early is None:
+                early = stage(plan, make_jobs(plan, pieces, dtypes, flat.stepped, tensors),
+                              io_threads(threads, comm))
+            jobs, deferred = early
+        else:
+            jobs = make_jobs(plan, pieces, dtypes, set(), tensors)
+            for job in jobs:
+                if job.source.device.type != "cpu" or not job.source.is_contiguous():
+                    job.source = job.source.to("cpu", copy=False).contiguous()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, none may hang
+        setup_error = f"rank {comm.rank} could not prepare {storage.url}: {exc!r}"
+        jobs, deferred = [], None
     handle = SaveHandle(storage.url)
-    args = (handle, comm, storage, save_id, jobs, values, plan.tensors, compress, threads, deferred)
+    args = (handle, comm, storage, save_id, jobs, values, plan.tensors, compress, threads, deferred, setup_error)
     if not async_save:
         _finish(*args)
         handle.wait()
@@ -222,11 +229,11 @@ def wait_pending() -> None:
 
 
 def _finish(handle: SaveHandle, comm: Comm, storage: Storage, save_id: str, jobs: list[Job], values: dict,
-            tensors: dict, compress: bool, threads: int | None, deferred: Deferred | None) -> None:
+            tensors: dict, compress: bool, threads: int | None, deferred: Deferred | None,
+            error: str | None = None) -> None:
     """Finish the snapshot, write, gather the records on every rank, commit on rank 0, and agree on the outcome
-    (collective)."""
+    (collective). ``error``: this rank already failed (it writes nothing but still takes part)."""
     records: list[dict] = []
-    error = None
     name = data_file_name(save_id, comm.rank)
     size = 0
     try:

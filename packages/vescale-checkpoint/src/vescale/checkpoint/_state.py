@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from vescale.checkpoint._layout import Piece, flat_range_pieces, is_dtensor, local_pieces
+from vescale.checkpoint.errors import UnsupportedStateError
 from vescale.core import torch_internals
 
 
@@ -46,6 +47,8 @@ class Flat:
     #: keys of tensors that only an optimizer step changes in place (trainable parameters, optimizer state): an
     #: async save may copy these in the background until the next ``optimizer.step()``
     stepped: set[str] = field(default_factory=set)
+    #: values inside tuples (which a load cannot assign into): key -> the value held
+    fixed: dict[str, Any] = field(default_factory=dict)
 
     def add_tensor(self, key: str, t: torch.Tensor) -> None:
         self._check_new(key)
@@ -60,9 +63,18 @@ class Flat:
         self._check_new(key)
         self.boxes[key] = (shape, dtype, pieces)
 
+    def check_value(self, key: str, new: Any) -> None:
+        """Raise :class:`UnsupportedStateError` unless the loaded value ``new`` can be assigned to ``key`` (a load
+        checks every value before it writes anything)."""
+        if key in self.fixed:
+            old = self.fixed[key]
+            if not (isinstance(old, dict) and isinstance(new, dict)) and not (
+                    isinstance(old, list) and isinstance(new, list)) and new != old:
+                raise UnsupportedStateError(f"cannot assign {key!r} inside a tuple")
+
     def _check_new(self, key: str) -> None:
         if key in self.tensors or key in self.values or key in self.boxes:
-            raise ValueError(f"two entries of the state flatten to the same key {key!r}; rename one")
+            raise UnsupportedStateError(f"two entries of the state flatten to the same key {key!r}; rename one")
 
 
 def _join(prefix: str, key: Any) -> str:
@@ -145,8 +157,8 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
     """Flatten ``state`` (see the module docstring). ``init_optimizer(key)`` says whether to build the lazy state
     of an optimizer that has none yet (a load into a fresh optimizer)."""
     if not isinstance(state, dict):
-        raise TypeError(f"state must be a dict of names to modules, optimizers, tensors or values, got "
-                        f"{type(state).__name__}")
+        raise UnsupportedStateError(f"state must be a dict of names to modules, optimizers, tensors or values, "
+                                    f"got {type(state).__name__}")
     flat = Flat()
     param_names: dict[int, str] = {}
     params_by_name: dict[str, torch.Tensor] = {}
@@ -185,11 +197,13 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
             if isinstance(obj, tuple):
                 def setter(new, k=k, v=v, key=key):
                     if new != v:
-                        raise ValueError(f"cannot assign {_join(key, k)!r} inside a tuple")
+                        raise UnsupportedStateError(f"cannot assign {_join(key, k)!r} inside a tuple")
             else:
                 def setter(new, obj=obj, k=k):
                     obj[k] = new
             walk(_join(key, k), v, setter, replaceable and not isinstance(obj, tuple))
+            if isinstance(obj, tuple) and _join(key, k) in flat.values:
+                flat.fixed[_join(key, k)] = v
 
     def module(key: str, m: nn.Module) -> None:
         sd = m.state_dict()
@@ -235,12 +249,13 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
                                lambda v, g=hparams[fqn]: _set_hparams(g, v))
             param = named.get(fqn)
             if param is None:
-                raise ValueError(f"optimizer {key!r} holds parameter {fqn!r}, which no module in the state has")
+                raise UnsupportedStateError(f"optimizer {key!r} holds parameter {fqn!r}, which no module in the "
+                                            "state has")
             tp = local_pieces(param.detach(), fqn)
             if len(tp) != 1 or list(tp[0].lengths) != list(info["local_shape"]):
-                raise ValueError(f"optimizer {key!r}: parameter {fqn!r} (placements "
-                                 f"{getattr(param, 'placements', None)}) is not one box of local shape "
-                                 f"{info['local_shape']}; cannot map its ZeRO shard")
+                raise UnsupportedStateError(f"optimizer {key!r}: parameter {fqn!r} (placements "
+                                            f"{getattr(param, 'placements', None)}) is not one box of local shape "
+                                            f"{info['local_shape']}; cannot map its ZeRO shard")
             lo, hi = info["ranges"][dp_rank]
             entries = dict(sd["state"].get(fqn, {}))
             for sname, sval in entries.items():

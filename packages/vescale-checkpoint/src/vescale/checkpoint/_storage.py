@@ -7,6 +7,11 @@ elsewhere (tmpfs, or a file system refusing ``O_DIRECT``) with ``os.pwrite`` str
 the page cache. Local reads use ``os.preadv`` into tensor memory. Data is fsynced before the metadata commit.
 Other fsspec URLs (``memory://``, ``s3://`` ...) stream whole files and read byte ranges. Commit is atomic on all
 of them: local files are renamed into place, object stores make a single PUT.
+
+A checkpoint is untrusted input: every name it gives is resolved by :meth:`Storage.path`, which accepts only a plain
+file name directly inside the checkpoint (:func:`check_name`: no separators, no ``..``, no absolute path, no URL
+scheme, on local and fsspec storage alike). Local reads also refuse symbolic links and anything that is not a
+regular file (a FIFO would block the read forever), so a checkpoint cannot make a load read outside its directory.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
+import stat
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +37,19 @@ _DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multi
 _DIRECT_BUFFER = 16 << 20  # bytes per O_DIRECT write
 #: write local data files with O_DIRECT where the file system allows it (``VESCALE_CHECKPOINT_DIRECT_IO=0``: never)
 direct_io = os.environ.get("VESCALE_CHECKPOINT_DIRECT_IO", "1") != "0"
+# the names vescale writes (data-<id>-r<rank>.safetensors, metadata.json, .metadata.json.<hex>.tmp) and nothing
+# that a file system or an fsspec URL could read as a path, a parent, a drive or a scheme
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.+-]{1,255}")
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def check_name(name: object, field: str = "file name", where: str = "checkpoint") -> str:
+    """``name`` when it is a plain file name inside a checkpoint directory; else :class:`CorruptCheckpointError`
+    naming ``where`` (the metadata file), ``field`` (the field that gave it) and the name."""
+    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or name in (".", ".."):
+        raise CorruptCheckpointError(f"{where}: {field} is {str(name)[:200]!r}, not a plain file name inside the "
+                                     "checkpoint (letters, digits, '_', '.', '+', '-'; no path, no '..', no URL)")
+    return name
 
 
 class Storage:
@@ -42,11 +62,31 @@ class Storage:
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
 
     def path(self, name: str) -> str:
+        """The file ``name`` inside the checkpoint; refuses (:func:`check_name`) anything but a plain child."""
+        check_name(name)
         return os.path.join(self.root, name) if self.local else f"{self.root}/{name}"
 
     def where(self, name: str) -> str:
-        """How errors name a file: the full path or URL."""
-        return self.path(name) if self.local else f"{self.url.rstrip('/')}/{name}"
+        """How errors name a file: the full path or URL (any name, even one :meth:`path` refuses)."""
+        return os.path.join(self.root, str(name)) if self.local else f"{self.url.rstrip('/')}/{name}"
+
+    def _open_read(self, name: str) -> int:
+        """A descriptor to read the local regular file ``name``; a symbolic link, a directory, a FIFO or a device
+        raises :class:`CorruptCheckpointError` (opened non-blocking, so a FIFO cannot stall the open)."""
+        path = self.path(name)
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"checkpoint file {self.where(name)} is a symbolic link; a checkpoint's "
+                                             "files must be regular files inside it") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCheckpointError(f"checkpoint file {self.where(name)} is not a regular file")
+        return fd
 
     def makedirs(self) -> None:
         if self.local:
@@ -63,6 +103,23 @@ class Storage:
         except (FileNotFoundError, OSError):
             return None
 
+    def sizes(self) -> dict[str, int]:
+        """Name -> size of the files directly in the checkpoint (one listing); -1 for an entry that is not a regular
+        file (a symbolic link, a directory, a FIFO)."""
+        if self.local:
+            try:
+                with os.scandir(self.root) as it:
+                    return {e.name: e.stat(follow_symlinks=False).st_size if e.is_file(follow_symlinks=False) else -1
+                            for e in it}
+            except FileNotFoundError:
+                return {}
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
+                if e.get("type") == "file"}
+
     def names(self) -> list[str]:
         if self.local:
             return os.listdir(self.root) if os.path.isdir(self.root) else []
@@ -77,11 +134,20 @@ class Storage:
         except FileNotFoundError:
             pass
 
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The whole file ``name``; one longer than ``limit`` bytes raises :class:`CorruptCheckpointError` before
+        it is read (and a file growing past it while read is cut at ``limit + 1`` bytes, then refused)."""
         if self.local:
-            with open(self.path(name), "rb") as f:
-                return f.read()
-        return self.fs.cat_file(self.path(name))
+            with open(self._open_read(name), "rb") as f:
+                data = f.read(limit + 1)
+        else:
+            size = self.fs.size(self.path(name))
+            data = b"" if size is not None and size > limit else self.fs.cat_file(self.path(name), 0, limit + 1)
+            size = max(len(data), size or 0)
+        if (len(data) if self.local else size) > limit:
+            raise CorruptCheckpointError(f"checkpoint file {self.where(name)} is larger than {limit} bytes, the "
+                                         "limit for it")
+        return data
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """Make ``name`` appear with ``data`` all at once (rename locally, one PUT elsewhere)."""
@@ -134,7 +200,7 @@ class Storage:
         want = out.nbytes
         if self.local:
             try:
-                fd = os.open(self.path(name), os.O_RDONLY)
+                fd = self._open_read(name)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"checkpoint data file {self.where(name)} is missing") from None
             try:

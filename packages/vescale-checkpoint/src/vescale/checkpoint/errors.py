@@ -1,10 +1,16 @@
-"""Errors raised by vescale.checkpoint; each names the checkpoint file or state key involved."""
+"""Errors raised by vescale.checkpoint; each names the checkpoint file, metadata field or state key involved.
+
+Everything the package raises on purpose derives from :class:`CheckpointError` (itself a
+:class:`vescale.core.errors.VescaleError`). Each subclass also derives from the built-in exception callers caught
+before it existed (``ValueError``, ``TypeError``, ``FileNotFoundError``), so existing ``except`` clauses keep working.
+"""
 
 from __future__ import annotations
 
 from vescale.core.errors import VescaleError
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError", "StateMismatchError"]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError", "StateMismatchError",
+           "UnsupportedStateError"]
 
 
 class CheckpointError(VescaleError):
@@ -16,7 +22,8 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):
-    """A checkpoint file is missing, truncated or damaged (checksum mismatch); the message names the file."""
+    """A checkpoint is missing a file, truncated, damaged (checksum mismatch) or malformed (its metadata breaks the
+    format's schema, or names something outside the checkpoint); the message names the file and field."""
 
 
 class StateMismatchError(CheckpointError, ValueError):
@@ -25,3 +32,9 @@ class StateMismatchError(CheckpointError, ValueError):
     def __init__(self, message: str, problems: list[str] | None = None) -> None:
         super().__init__(message)
         self.problems = list(problems or [])
+
+
+class UnsupportedStateError(CheckpointError, ValueError, TypeError):
+    """The state given to ``save`` or ``load`` cannot be checkpointed as it is (a value of a type the format cannot
+    store, a dtype it lacks, two entries with the same key, a layout it cannot map to boxes); the message names the
+    key. Also a ``ValueError`` and a ``TypeError``, the built-ins raised here before."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vescale.checkpoint.errors import CorruptCheckpointError
+from vescale.checkpoint.errors import CorruptCheckpointError, UnsupportedStateError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "CHUNK_BYTES", "METADATA_FILE", "data_file_name",
            "dtype_name", "dtype_from_name", "safetensors_header"]
@@ -61,7 +61,8 @@ def dtype_name(dtype: torch.dtype, key: str = "") -> str:
     try:
         return _DTYPES[dtype][0]
     except KeyError:
-        raise TypeError(f"tensor {key!r} has dtype {dtype}, which vescale checkpoints cannot store") from None
+        raise UnsupportedStateError(f"tensor {key!r} has dtype {dtype}, which vescale checkpoints cannot "
+                                    "store") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -95,12 +96,14 @@ def safetensors_header(entries: list[tuple[str, torch.dtype, list[int], int]]) -
 
 
 def check_metadata(meta: Any, where: str) -> dict[str, Any]:
-    """Validate the top level of a parsed ``metadata.json``; raise :class:`CorruptCheckpointError` naming ``where``."""
+    """Validate the top level of a parsed ``metadata.json`` and migrate older versions in memory; raise
+    :class:`CorruptCheckpointError` naming ``where`` (the tables are checked by
+    :func:`vescale.checkpoint._schema.check_tables`)."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where} is not vescale-checkpoint metadata")
-    if meta.get("version") not in READABLE_VERSIONS:
-        raise CorruptCheckpointError(f"{where} has format version {meta.get('version')}; this vescale.checkpoint "
-                                     f"reads versions {', '.join(map(str, READABLE_VERSIONS))}")
+    if type(meta.get("version")) is not int or meta["version"] not in READABLE_VERSIONS:
+        raise CorruptCheckpointError(f"{where} has format version {meta.get('version')!r:.40}; this "
+                                     f"vescale.checkpoint reads versions {', '.join(map(str, READABLE_VERSIONS))}")
     for field in ("files", "tensors", "values"):
         if not isinstance(meta.get(field), dict):
             raise CorruptCheckpointError(f"{where} lacks the {field!r} table")
@@ -113,9 +116,15 @@ def _migrate_v1(meta: dict[str, Any], where: str) -> None:
     """Version 1 -> 2 in place: a shard's single whole-shard crc32 becomes a one-chunk checksum list (``version``
     keeps saying what was stored)."""
     for key, info in meta["tensors"].items():
-        for shard in info.get("shards", ()):
-            if not isinstance(shard.get("crc32"), int):
-                raise CorruptCheckpointError(f"{where}: a shard of {key!r} lacks its crc32")
+        shards = info.get("shards") if isinstance(info, dict) else None
+        for i, shard in enumerate(shards if isinstance(shards, list) else ()):
+            if not isinstance(shard, dict) or type(shard.get("crc32")) is not int:
+                raise CorruptCheckpointError(f"{where}: field tensors[{key!r}].shards[{i}].crc32 is missing or not "
+                                             "an integer (version 1)")
             shard["crc32"] = [shard["crc32"]]
-            shard["chunk"] = max(1, shard["end"] - shard["start"])
+            start, end = shard.get("start"), shard.get("end")
+            if type(start) is int and type(end) is int:  # otherwise the schema check names the field
+                shard["chunk"] = max(1, end - start)
+            else:
+                shard["chunk"] = 1
 

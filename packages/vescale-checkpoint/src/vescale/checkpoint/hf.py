@@ -18,8 +18,8 @@ from torch import nn
 from vescale.checkpoint._layout import local_pieces
 from vescale.checkpoint._reader import read_metadata, read_shard, tensor_dtype
 from vescale.checkpoint._state import _local, flatten
-from vescale.checkpoint._storage import Storage
-from vescale.checkpoint.errors import CheckpointError, StateMismatchError
+from vescale.checkpoint._storage import Storage, check_name
+from vescale.checkpoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 
 __all__ = ["export_hf", "import_hf"]
 
@@ -89,10 +89,18 @@ def export_hf(path: str | os.PathLike, out_dir: str | os.PathLike, *, prefix: st
 
 
 def _weight_map(src: str) -> dict[str, str]:
+    """Tensor name -> the file in ``src`` holding it. The index is untrusted: every file it names must be a plain
+    file name inside ``src`` (:func:`check_name`), else :class:`CorruptCheckpointError` naming the entry."""
     index = os.path.join(src, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(src, v) for k, v in json.load(f)["weight_map"].items()}
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            items = list(weight_map.items())
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise CorruptCheckpointError(f"{index} is not a safetensors index with a 'weight_map' object: "
+                                         f"{type(exc).__name__}") from None
+        return {k: os.path.join(src, check_name(v, f"weight_map[{str(k)[:200]!r}]", index)) for k, v in items}
     single = os.path.join(src, "model.safetensors")
     if not os.path.exists(single):
         raise CheckpointError(f"{src} has neither {INDEX_FILE} nor model.safetensors")

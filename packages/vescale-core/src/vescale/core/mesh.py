@@ -20,7 +20,9 @@ __all__ = ["CANONICAL_DIM_ORDER", "init_mesh", "parse_mesh_spec", "sub_mesh", "d
            "dim_mesh", "dim_group"]
 
 #: Outermost to innermost. Unknown names are rejected unless an explicit ``order`` is given.
-CANONICAL_DIM_ORDER: tuple[str, ...] = ("pp", "dp", "cp", "ep", "tp")
+#: ``dp_replicate`` / ``dp_shard`` are the two dims of hybrid sharded data parallelism (HSDP: replicas of ZeRO 3
+#: groups), used instead of ``dp`` (``vescale.parallel.fully_shard_dp``).
+CANONICAL_DIM_ORDER: tuple[str, ...] = ("pp", "dp", "dp_replicate", "dp_shard", "cp", "ep", "tp")
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:
@@ -56,9 +58,9 @@ def init_mesh(dims: Mapping[str, int] | str, *, device_type: str | None = None,
     """Build a named :class:`torch.distributed.device_mesh.DeviceMesh` over all ranks of the default process group.
 
     ``dims`` maps dimension names to sizes (or is a ``"dp=2,tp=2"`` string); they are laid out in canonical order
-    (``pp, dp, cp, ep, tp``, or ``order``). ``device_type`` defaults to ``cuda`` when the default group uses NCCL,
-    else ``cpu``. Raises :class:`MeshError`, on every rank and before any collective, when the sizes' product differs
-    from the world size or a name is unknown.
+    (``pp, dp, dp_replicate, dp_shard, cp, ep, tp``, or ``order``). ``device_type`` defaults to ``cuda`` when the
+    default group uses NCCL, else ``cpu``. Raises :class:`MeshError`, on every rank and before any collective, when
+    the sizes' product differs from the world size or a name is unknown.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -21,8 +21,22 @@ from vescale.parallel.compile import (  # compile mode
     compile_parallel,
     compiled_blocks,
 )
+from vescale.parallel.context_parallel import context_parallel, gather_sequence  # context parallelism
 from vescale.parallel.ddp import DistributedDataParallel  # part 2: DP/ZeRO
-from vescale.parallel.errors import CompileError, DDPError, LossParallelError, Zero3Error, ZeroError
+from vescale.parallel.errors import (
+    CompileError,
+    ContextParallelError,
+    DDPError,
+    LossParallelError,
+    Zero3Error,
+    ZeroError,
+)
+from vescale.parallel.experts import (  # expert parallelism
+    ExpertParallelError,
+    expert_parallel_plan,
+    find_experts,
+    parallelize_experts,
+)
 from vescale.parallel.loss import loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
 from vescale.parallel.optimizer import DistributedOptimizer  # part 2: DP/ZeRO
 from vescale.parallel.parallelize import parallelize_module, plan_report  # part 1: TP/SP
@@ -42,3 +56,6 @@ __all__ += ["parallelize_stage"]  # pipeline stages (vescale-plan)
 __all__ += ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks",
             "CompileError"]  # compile mode
 __all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpointError"]  # activation checkpointing
+__all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts",
+            "ExpertParallelError"]  # expert parallelism
+__all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor
 
 from vescale.core.mesh import dim_group
@@ -156,8 +157,13 @@ class DistributedDataParallel(nn.Module):
         self._build_buffers(module)
         self._num_early = sum(1 for b in self.buckets if not any(id(s.param) in self._late for s in b.slots))
         self._broadcast_params()
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._make_hook(slot))
-                       for slot in self.slots.values()]
+        # The hook sits on each parameter's gradient accumulator node (as torch's DDP and Megatron hook it), not in
+        # the tensor's post-accumulate-grad hook dict: a DTensor parameter moved by ``module.to()`` is swapped
+        # (``torch.utils.swap_tensors``) and keeps that dict while the hook inside torch stays with the old tensor,
+        # so hooks added to the dict later never run. The node is the current tensor's; holding it keeps it alive.
+        self._grad_accs = [get_gradient_edge(slot.param).node for slot in self.slots.values()]
+        self._hooks = [acc.register_hook(self._make_hook(slot))
+                       for acc, slot in zip(self._grad_accs, self.slots.values())]
 
     # -- construction ---------------------------------------------------------------------------------------------
 
@@ -229,7 +235,7 @@ class DistributedDataParallel(nn.Module):
     # -- backward -------------------------------------------------------------------------------------------------
 
     def _make_hook(self, slot: _Slot):
-        def hook(param: torch.Tensor) -> None:
+        def hook(grad_inputs, grad_outputs) -> None:  # after autograd accumulated into slot.param.grad
             self._on_grad_ready(slot)
 
         return hook
@@ -297,9 +303,25 @@ class DistributedDataParallel(nn.Module):
 
         Called automatically at the end of a synchronised backward (which leaves the ``late_params`` buckets
         pending); calling it again is a no-op until the next backward. Parameters that got no gradient contribute
-        zeros.
+        zeros. Raises :class:`DDPError` (before any collective) when a parameter holds a gradient that autograd
+        accumulated without running DDP's hook, which would otherwise be left out of the reduction silently.
         """
+        self._check_hooks_saw_grads()
         self._finish(late=True)
+
+    def _check_hooks_saw_grads(self) -> None:
+        # After DDP's hook a gradient lives in the buffer: .grad is the buffer view, the low-precision copy handed
+        # out by the last sync, or None. Anything else was accumulated behind the hook's back.
+        for slot in self.slots.values():
+            grad = slot.param.grad
+            if grad is None:
+                continue
+            ptr = local_tensor(grad).data_ptr()
+            if ptr != slot.view().data_ptr() and (slot.exposed is None or ptr != slot.exposed.data_ptr()):
+                raise DDPError(f"parameter {slot.fqn!r} has a gradient that DistributedDataParallel's hook never "
+                               "saw, so it would not be reduced over dp: the parameter tensor was replaced or "
+                               "swapped after DDP was built (e.g. module.to() or load_state_dict(assign=True)); "
+                               "build DistributedDataParallel after moving or loading the module")
 
     def _finish(self, late: bool) -> None:
         if not self._dirty:

@@ -39,3 +39,8 @@ class ActivationCheckpointError(VescaleError, ValueError):
 class DataDependentError(VescaleError, RuntimeError):
     """Model code inside a parallelized ``forward`` reads a DTensor's values into Python (``.tolist()``), which
     DTensor cannot follow (data-dependent control flow such as MoE routing by counts)."""
+
+
+class ContextParallelError(VescaleError, ValueError):
+    """:func:`~vescale.parallel.context_parallel` cannot shard this model or call over ``cp`` exactly (a sequence length
+    not divisible by ``2 x cp``, padding masks, a KV cache, attention dropout, an unsupported attention)."""

@@ -32,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 from vescale.parallel.errors import DataDependentError
 from vescale.parallel.model_calls import CORRECTED_FUNCTIONS, correct_call, mark_unwritten
 
-__all__ = ["FactoryCapture", "FACTORY_FUNCTIONS", "capture_suspended", "compiled_region"]
+__all__ = ["FactoryCapture", "FACTORY_FUNCTIONS", "capture_suspended", "capture_paused", "capture_resumed",
+           "compiled_region"]
 
 _suspended = 0
 _compiled = 0  # > 0 while a graph compiled by vescale.parallel.compile_parallel runs (see compiled_region)
@@ -128,6 +129,41 @@ def capture_suspended() -> Iterator[None]:
         yield
     finally:
         _suspended -= 1
+
+
+@contextlib.contextmanager
+def capture_paused() -> Iterator[FactoryCapture | None]:
+    """Like :func:`capture_suspended`, and the innermost :class:`FactoryCapture` mode, when it is the innermost torch
+    function mode, leaves the mode stack meanwhile, so plain-tensor code (a fast block, see
+    :class:`vescale.parallel.local.FastBlock`) pays no Python call per torch function."""
+    from vescale.core import torch_internals
+
+    stack = torch_internals.function_mode_stack()
+    mode = stack[-1] if stack and isinstance(stack[-1], FactoryCapture) else None
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    try:
+        with capture_suspended():
+            yield mode
+    finally:
+        if mode is not None:
+            mode.__enter__()
+
+
+@contextlib.contextmanager
+def capture_resumed(mode: FactoryCapture | None) -> Iterator[None]:
+    """Inside :func:`capture_paused` (which yielded ``mode``): the capture back on, for a stretch of DTensor code (the
+    KV cache's update called from a fast block)."""
+    global _suspended
+    _suspended -= 1
+    if mode is not None:
+        mode.__enter__()
+    try:
+        yield
+    finally:
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        _suspended += 1
 
 
 @contextlib.contextmanager

@@ -15,8 +15,9 @@ missing entry) means "the argument's own placements". Parameters' gradients are 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,9 +25,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.core import torch_internals
-from vescale.parallel.factory import capture_suspended
+from vescale.parallel.factory import capture_paused, capture_resumed, capture_suspended
 
-__all__ = ["make_local"]
+__all__ = ["make_local", "fast_block", "fast_path", "in_fast_block", "FastBlock", "FAST_BLOCKS"]
 
 
 def make_local(module: nn.Module, mesh, grad_spec, out_spec, fqn: str) -> None:
@@ -93,3 +94,288 @@ def _wrap_outputs(out: Any, mesh, out_spec, fqn: str) -> Any:
         items = [_wrap(x, mesh, spec[i] if i < len(spec) else None) for i, x in enumerate(out)]
         return type(out)(items) if isinstance(out, list) else tuple(items)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fast path: known blocks between the plan's boundaries run on local tensors
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Module classes (by module path and name, exact type only) whose ``forward`` computes on this rank's heads or FFN
+#: columns alone when its column-parallel projections hold ``Shard(0)`` rows and its row-parallel projection
+#: ``Shard(1)`` columns: every shape it uses comes from its input (``view(*input_shape, -1, head_dim)``), attention is
+#: per head (grouped-query attention per whole group of heads), the activation is elementwise, and the only cross-head
+#: reduction is the row-parallel projection, whose local result is the partial sum DTensor computes there too.
+#: Value: (kind, column-parallel linears, row-parallel linear).
+FAST_BLOCKS: dict[tuple[str, str], tuple[str, tuple[str, ...], str]] = {}
+for _family, _name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"), ("mixtral", "Mixtral")):
+    _path = f"transformers.models.{_family}.modeling_{_family}"
+    FAST_BLOCKS[(_path, f"{_name}Attention")] = ("attention", ("q_proj", "k_proj", "v_proj"), "o_proj")
+    if _family != "mixtral":  # Mixtral's MLP is a mixture of experts
+        FAST_BLOCKS[(_path, f"{_name}MLP")] = ("mlp", ("gate_proj", "up_proj"), "down_proj")
+del _family, _name, _path
+
+_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+_fast_depth = 0  # > 0 while a fast block runs: the plan's hooks of its submodules stand aside (see in_fast_block)
+_fast_enabled = True
+
+
+def in_fast_block() -> bool:
+    """Whether a fast block runs now; the plan's input/output hooks of modules inside it then do nothing (the block
+    applies its row-parallel projection's output entry itself, to the wrapped result)."""
+    return _fast_depth > 0
+
+
+@contextlib.contextmanager
+def fast_path(enabled: bool) -> Iterator[None]:
+    """Inside, known blocks run on local tensors (``True``, the default) or always take the DTensor path (``False``):
+    for comparing the two, and for the benchmark."""
+    global _fast_enabled
+    before, _fast_enabled = _fast_enabled, enabled
+    try:
+        yield
+    finally:
+        _fast_enabled = before
+
+
+class FastBlock:
+    """A planned block that runs on local tensors between its plan's boundaries, when that provably computes what the
+    DTensor path computes; otherwise (a runtime condition fails) the block's own ``forward`` runs on DTensors.
+
+    Built by :func:`fast_block` only for a :data:`FAST_BLOCKS` class whose layout the plan makes exactly Megatron's:
+    column-parallel projections ``Shard(0)`` (weights and biases) on one mesh dim ``k`` and replicated elsewhere, the
+    row-parallel projection ``Shard(1)`` on ``k`` without bias, an ``input`` entry making the block's input replicated
+    on ``k`` and replicated or batch-sharded (``Shard(0)``) on every other mesh dim, an ``output`` entry on the row-parallel projection, no other plan entry at or inside the
+    block, heads (attention) dividing by the size of ``k``. Per call it checks: not compiling, not strict mode (strict
+    mode's checks see every DTensor op), no active attention dropout, an attention implementation among
+    :data:`_ATTENTION_IMPLEMENTATIONS`, the input so placed, every other DTensor argument on the plan's mesh placed like
+    it, no argument but the input requiring grad, a KV cache (if any) with an ``update`` method.
+
+    On the fast path the arguments and the block's parameters become their local tensors (``to_local``,
+    differentiable: the input's gradient is ``Partial`` on ``k``, a parameter's is partial on the dims where the input
+    is sharded, as in the DTensor path), the original ``forward`` runs on plain tensors (the KV cache still stores
+    DTensors sharded on the head dim, see :class:`_CacheOfDTensors`), and its result, the row-parallel projection's local partial sum, is wrapped as a
+    DTensor ``Partial`` on ``k`` and passed through the projection's ``output`` entry (``finish``), exactly the
+    redistribution the DTensor path issues there. Attention weights (eager attention) come back sharded by head.
+    """
+
+    def __init__(self, module: nn.Module, orig, mesh, k: int, kind: str, params: list[tuple], finish) -> None:
+        self.module, self.orig, self.mesh, self.k, self.kind = module, orig, mesh, k, kind
+        self.params, self.finish = params, finish
+        self.local_calls = 0  # how many calls took the fast path (for tests and benchmarks)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or not self._applies(args, kwargs):
+            return self.orig(*args, **kwargs)
+        params = self._params()
+        if params is None:
+            return self.orig(*args, **kwargs)
+        return self._run_local(args, kwargs, params)
+
+    def _input(self, args: tuple, kwargs: dict) -> Any:
+        if args:
+            return args[0]
+        return kwargs.get("hidden_states" if self.kind == "attention" else "x")
+
+    def _applies(self, args: tuple, kwargs: dict) -> bool:
+        from vescale.dtensor.strict import is_strict
+
+        if not _fast_enabled or is_strict():
+            return False
+        m = self.module
+        if self.kind == "attention":
+            if m.training and m.attention_dropout:
+                return False
+            if m.config._attn_implementation not in _ATTENTION_IMPLEMENTATIONS:
+                return False
+        x = self._input(args, kwargs)
+        if not isinstance(x, DTensor) or x.device_mesh != self.mesh:
+            return False
+        placements = tuple(x.placements)
+        if not _batch_or_replicated(placements, self.k):
+            return False
+        for v in (*args, *kwargs.values()):
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if not isinstance(t, torch.Tensor) or t is x:
+                    continue
+                if t.requires_grad or not isinstance(t, DTensor) or t.device_mesh != self.mesh:
+                    return False
+                if tuple(t.placements) != placements:
+                    return False
+        for key in _CACHE_KEYS:
+            cache = kwargs.get(key)
+            if cache is not None and not callable(getattr(cache, "update", None)):
+                return False
+        return True
+
+    def _params(self) -> list[tuple] | None:
+        """``(projection, "weight" | "bias", parameter)`` now, or None if a parameter is no longer on the plan's mesh
+        with the placements checked when the block was installed (replaced since, e.g. by ZeRO 3)."""
+        found = []
+        for child, attr, placements in self.params:
+            owner = getattr(self.module, child)
+            t = getattr(owner, attr)
+            if not isinstance(t, DTensor) or t.device_mesh != self.mesh or tuple(t.placements) != placements:
+                return None
+            found.append((owner, attr, t))
+        return found
+
+    def _run_local(self, args: tuple, kwargs: dict, params: list[tuple]) -> Any:
+        global _fast_depth
+        x = self._input(args, kwargs)
+        placements = tuple(x.placements)
+        grad_in = [Partial() if i == self.k else p for i, p in enumerate(placements)]
+        sharded = {i for i, p in enumerate(placements) if isinstance(p, Shard)}
+
+        def local(v: Any) -> Any:
+            if v is x:
+                return x.to_local(grad_placements=grad_in)
+            if isinstance(v, DTensor):
+                return torch_internals.local_tensor(v)  # needs no gradient (checked)
+            if isinstance(v, (tuple, list)) and any(isinstance(t, DTensor) for t in v):
+                items = [local(t) for t in v]
+                return type(v)(items) if isinstance(v, list) else tuple(items)
+            return v
+
+        args = tuple(local(a) for a in args)
+        kwargs = {key: local(v) for key, v in kwargs.items()}
+        heads = tuple(Shard(1) if i == self.k else p for i, p in enumerate(placements))
+        for key in _CACHE_KEYS:
+            if kwargs.get(key) is not None:
+                kwargs[key] = _CacheOfDTensors(kwargs[key], self.mesh, heads)
+        self.local_calls += 1
+        # Each projection reads its local weight for this call: an instance attribute shadows the module's registered
+        # parameter (Python finds instance attributes before nn.Module.__getattr__ looks in the parameters), so the
+        # module, its parameters and its state dict stay as they are; much cheaper than reparametrizing the module.
+        shadowed = []
+        _fast_depth += 1
+        try:
+            for owner, attr, t in params:
+                vars(owner)[attr] = t.to_local(grad_placements=[
+                    Partial() if i in sharded and isinstance(p, Replicate) else p for i, p in enumerate(t.placements)])
+                shadowed.append((owner, attr))
+            with capture_paused() as mode:
+                for key in _CACHE_KEYS:
+                    if isinstance(kwargs.get(key), _CacheOfDTensors):
+                        kwargs[key].mode = mode
+                out = self.orig(*args, **kwargs)
+        finally:
+            _fast_depth -= 1
+            for owner, attr in shadowed:
+                del vars(owner)[attr]
+        partial = tuple(Partial() if i == self.k else p for i, p in enumerate(placements))
+        if self.kind == "mlp":
+            return self.finish(_FromLocal.apply(out, self.mesh, partial, placements))
+        attn, weights = out
+        attn = self.finish(_FromLocal.apply(attn, self.mesh, partial, placements))
+        if isinstance(weights, torch.Tensor):
+            weights = _FromLocal.apply(weights, self.mesh, heads, heads)
+        return attn, weights
+
+
+_CACHE_KEYS = ("past_key_values", "cache")  # the KV cache keyword (renamed in transformers 5)
+
+
+class _CacheOfDTensors:
+    """The KV cache as a fast block's ``forward`` sees it: ``update`` takes and returns this rank's heads as plain
+    tensors, while the cache itself is updated with DTensors sharded on the head dim (under the model's factory
+    capture), exactly as on the DTensor path, so a cache is the same object whichever path filled it."""
+
+    def __init__(self, cache: Any, mesh, placements: tuple) -> None:
+        self.cache, self.mesh, self.placements, self.mode = cache, mesh, placements, None
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
+        key = _FromLocal.apply(key, self.mesh, self.placements, self.placements)
+        value = _FromLocal.apply(value, self.mesh, self.placements, self.placements)
+        with capture_resumed(self.mode):
+            key, value = self.cache.update(key, value, *args, **kwargs)
+        return _to_local(key, self.placements), _to_local(value, self.placements)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+
+def _to_local(t: Any, placements: tuple) -> Any:
+    if not isinstance(t, DTensor):
+        return t
+    if tuple(t.placements) != placements:
+        t = t.redistribute(t.device_mesh, placements)
+    return t.to_local()
+
+
+class _FromLocal(torch.autograd.Function):
+    """A local result as a DTensor of ``placements``; the gradient is taken as ``grad_placements`` (what the DTensor
+    path's kernel receives there) and handed back as its local tensor."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh, placements: tuple, grad_placements: tuple) -> DTensor:
+        ctx.mesh, ctx.grad_placements = mesh, grad_placements
+        return DTensor.from_local(x, mesh, placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            if tuple(grad.placements) != ctx.grad_placements:
+                grad = grad.redistribute(ctx.mesh, ctx.grad_placements)
+            grad = torch_internals.local_tensor(grad)
+        return grad, None, None, None
+
+
+def _batch_or_replicated(placements, k: int) -> bool:
+    """Replicated on mesh dim ``k``, and replicated or batch-sharded (``Shard(0)``, rows computed independently) on
+    every other: a sequence-sharded input (context parallelism) needs attention across ranks, which only the DTensor
+    path does."""
+    return isinstance(placements[k], Replicate) and all(
+        type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements)
+
+
+def _only_shard_on(placements, dim: int) -> int | None:
+    """The mesh dim on which ``placements`` is exactly ``Shard(dim)`` when every other mesh dim replicates, else None."""
+    found = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim == dim]
+    rest = [p for i, p in enumerate(placements) if i not in found]
+    if len(found) != 1 or not all(isinstance(p, Replicate) for p in rest):
+        return None
+    return found[0]
+
+
+def fast_block(module: nn.Module, mesh, input_spec, row_output_spec, entries_inside: bool, finish) -> bool:
+    """Install :class:`FastBlock` on ``module`` if its class and the plan qualify (see there); return whether it did.
+
+    ``input_spec`` is the block's ``input`` entry (None: none), ``row_output_spec`` the row-parallel projection's
+    ``output`` entry (None: none), ``entries_inside`` whether any other plan entry names the block or a module inside
+    it; ``finish(partial_dtensor)`` applies the projection's output entry. Static checks only, no collective.
+    """
+    known = FAST_BLOCKS.get((type(module).__module__, type(module).__qualname__))
+    if known is None or entries_inside or row_output_spec is None or input_spec is None or "forward" in vars(module):
+        return False
+    kind, cols, row = known
+    children = dict(module.named_children())
+    if set(children) - {*cols, row, "act_fn"}:
+        return False
+    linears = [children.get(n) for n in (*cols, row)]
+    if not all(type(lin) is nn.Linear and isinstance(lin.weight, DTensor) and lin.weight.device_mesh == mesh
+               for lin in linears):
+        return False
+    if any(list(m.parameters()) for m in [children.get("act_fn")] if m is not None):
+        return False
+    ks = {_only_shard_on(lin.weight.placements, 0) for lin in linears[:-1]}
+    k = _only_shard_on(linears[-1].weight.placements, 1)
+    if ks != {k} or k is None or linears[-1].bias is not None:
+        return False
+    for lin in linears[:-1]:
+        if lin.bias is not None and _only_shard_on(lin.bias.placements, 0) != k:
+            return False
+    n = mesh.size(k)
+    if kind == "attention":
+        cfg = module.config
+        if cfg.num_attention_heads % n or cfg.num_key_value_heads % n:
+            return False
+    x_spec = input_spec.get("hidden_states" if kind == "attention" else "x") if isinstance(input_spec, Mapping) \
+        else (input_spec[0] if len(input_spec) else None)
+    if x_spec is None or not _batch_or_replicated(x_spec, k):
+        return False
+    params = [(name, attr, tuple(getattr(lin, attr).placements)) for name, lin in zip((*cols, row), linears)
+              for attr in ("weight", "bias") if getattr(lin, attr) is not None]
+    if len(params) != len(list(module.parameters())):
+        return False  # a parameter outside the projections (the activation has none: checked)
+    module.forward = FastBlock(module, module.forward, mesh, k, kind, params, finish)
+    return True

@@ -19,7 +19,8 @@ tensor that is flattened), ``global_shape``, ``dtype``, ``placements``/``mesh_di
 layout, empty for a plain tensor), ``ranges``: ``[start, end)`` into the flattened local tensor for every dp
 rank, in dp-rank order (``ranges[dp_rank]`` is this rank's piece), and ``placement``: the same layout as a
 :class:`vescale.dtensor.RaggedShard` ``((0,), [end - start per dp rank])`` of the flattened local tensor over the dp
-mesh dim; ``param_groups`` list hyper-parameters with ``params`` given as FQNs.
+mesh dim; ``param_groups`` list hyper-parameters with ``params`` given as FQNs. With ``zero_stage=0`` every range
+is the whole ``[0, numel)`` (replicated over dp) and ``placement`` is None.
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ def _scatter_gathered(bucket: _Bucket, full: torch.Tensor, work) -> None:
 
 
 class DistributedOptimizer:
-    """ZeRO ``zero_stage`` 1 (optimizer states sharded over dp) or 2 (gradients too) around a torch optimizer.
+    """ZeRO ``zero_stage`` 1 (optimizer states sharded over dp) or 2 (gradients too) around a torch optimizer; 0:
+    nothing sharded, every dp rank updates the whole (the master-weight optimizer of a bf16 model without ZeRO).
 
     ``module`` (first, as everywhere in vescale) is the :class:`DistributedDataParallel` whose buffers hold the
-    gradients; its ``zero_stage`` must be 2 for ``zero_stage=2`` and 0 or 1 for ``zero_stage=1``.
+    gradients; its ``zero_stage`` must be 2 for ``zero_stage=2`` and 0 or 1 for ``zero_stage`` 0 or 1.
     ``optimizer_cls_or_instance`` is an optimizer class (built with ``**kw`` over this rank's master pieces) or a
     freshly built instance over ``module``'s parameters (its param groups and defaults are reused; it must have no
     state yet); parameters marked by :func:`~vescale.parallel.clip_grad.mark_tied_copy` before construction (a
@@ -109,8 +111,9 @@ class DistributedOptimizer:
             raise ZeroError(f"DistributedOptimizer needs a vescale.parallel.DistributedDataParallel module, got "
                             f"{type(module).__name__}; wrap it first: DistributedDataParallel(model, mesh, "
                             f"zero_stage={zero_stage})")
-        if zero_stage not in (1, 2):
-            raise ZeroError(f"zero_stage must be 1 or 2, got {zero_stage!r} (ZeRO 3: torch fully_shard, see README)")
+        if zero_stage not in (0, 1, 2):
+            raise ZeroError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r} (ZeRO 3: torch fully_shard, see "
+                            "README)")
         if (zero_stage == 2) != (module.zero_stage == 2):
             raise ZeroError(f"DistributedOptimizer(zero_stage={zero_stage}) needs a DistributedDataParallel with "
                             f"zero_stage={'2' if zero_stage == 2 else '0 or 1'}, got zero_stage={module.zero_stage}")
@@ -160,7 +163,7 @@ class DistributedOptimizer:
         for bucket in ddp.buckets:
             region_start = bucket.start + rank * (bucket.numel // dp)
             for slot in bucket.slots:
-                lo, hi = _owned(bucket, slot, rank, dp)
+                lo, hi = self._owned(bucket, slot, rank)
                 flat = local_tensor(slot.param).detach().view(-1)
                 start, end = slot.start + lo, slot.start + hi
                 if hi == lo:
@@ -171,7 +174,8 @@ class DistributedOptimizer:
                     grad = slot.buffer.data[start:end]
                 aliased = slot.param.dtype == self.master_dtype
                 master = flat[lo:hi] if aliased else flat[lo:hi].to(self.master_dtype).clone()
-                groups = {ddp.dp_dim_name: ddp.dp_group}
+                # zero_stage 0: every dp rank holds the whole, so the clip norm must not sum it over dp
+                groups = {ddp.dp_dim_name: ddp.dp_group} if self.zero_stage else {}
                 if isinstance(slot.param, DTensor):
                     groups.update(_dtensor_groups(slot.param))
                 mark_sharded(master, groups)
@@ -179,6 +183,10 @@ class DistributedOptimizer:
                     mark_tied_copy(master)
                 pieces[slot.param] = _Piece(slot, lo, hi, master, grad, aliased)
         return pieces
+
+    def _owned(self, bucket: _Bucket, slot: _Slot, rank: int) -> tuple[int, int]:
+        """``[lo, hi)`` of ``slot`` that dp rank ``rank`` updates: all of it with ``zero_stage=0``."""
+        return (0, slot.numel) if self.zero_stage == 0 else _owned(bucket, slot, rank, self.ddp.dp_size)
 
     # -- the step -------------------------------------------------------------------------------------------------
 
@@ -210,7 +218,7 @@ class DistributedOptimizer:
 
     def _gather_params(self) -> None:
         ddp, dp, rank = self.ddp, self.ddp.dp_size, self.ddp.dp_rank
-        if dp == 1:
+        if dp == 1 or self.zero_stage == 0:  # every rank updated the whole: nothing to gather
             for piece in self.pieces.values():
                 if not piece.aliased:
                     local_tensor(piece.slot.param).view(-1).copy_(piece.master)
@@ -250,13 +258,13 @@ class DistributedOptimizer:
 
     def _shard_info(self, piece: _Piece) -> dict[str, Any]:
         p, ddp = piece.slot.param, self.ddp
-        ranges = [list(_owned(piece.slot.bucket, piece.slot, r, ddp.dp_size)) for r in range(ddp.dp_size)]
+        ranges = [list(self._owned(piece.slot.bucket, piece.slot, r)) for r in range(ddp.dp_size)]
         is_dt = isinstance(p, DTensor)
         numel = piece.slot.numel
         return {
             # The same layout as a vescale placement over the dp mesh dim of the flattened local tensor [numel]:
             # units of one element, ranks[r] holds ranges[r].
-            "placement": RaggedShard((0,), [hi - lo for lo, hi in ranges]) if numel else None,
+            "placement": RaggedShard((0,), [hi - lo for lo, hi in ranges]) if numel and self.zero_stage else None,
             "global_shape": list(p.shape),
             "local_shape": list(piece.slot.local_shape),
             "dtype": str(p.dtype).removeprefix("torch."),

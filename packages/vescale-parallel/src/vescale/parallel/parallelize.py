@@ -46,7 +46,7 @@ from vescale.core.placement_format import format_placements
 from vescale.dtensor import distribute_tensor, is_deferred, materialize
 from vescale.parallel.compile import install_compilable_embeddings
 from vescale.parallel.factory import FactoryCapture, capture_suspended
-from vescale.parallel.local import make_local
+from vescale.parallel.local import FAST_BLOCKS, fast_block, in_fast_block, make_local
 from vescale.parallel.plan_grammar import Plan, check_plan, mesh_description
 from vescale.parallel.report import PlanEntry, PlanReport
 
@@ -254,6 +254,7 @@ def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: 
         report.entries.append(PlanEntry("output", fqn, (), format_placements(spec), key))
         if fqn != "" and fqn not in local:
             mods[fqn].register_forward_hook(functools.partial(_output_hook, mesh=mesh, spec=spec, fqn=fqn))
+    _install_fast_blocks(mods, mesh, inputs, outputs, local)
     # a root that runs an exported graph (a pipeline stage) calls aten factories directly; others call torch.*
     runs_graph = any(isinstance(v, torch.fx.GraphModule) for v in (module, *vars(module).values()))
     state = _RootState(mesh, aten=runs_graph, outputs_by_key=isinstance(outputs.get("", (None, None))[1], dict))
@@ -261,6 +262,28 @@ def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: 
         functools.partial(_root_pre_hook, state=state, spec=inputs.get("", (None, None))[1]), with_kwargs=True)
     module.register_forward_hook(
         functools.partial(_root_post_hook, state=state, spec=outputs.get("", (None, None))[1]), always_call=True)
+
+
+def _install_fast_blocks(mods: dict, mesh, inputs: dict, outputs: dict, local: dict) -> None:
+    """Known blocks whose plan layout qualifies run on local tensors between their boundaries (see
+    :class:`vescale.parallel.local.FastBlock`); the plan, its report and every boundary stay as they are."""
+    named = [*inputs, *outputs, *local]
+    for fqn, mod in mods.items():
+        known = FAST_BLOCKS.get((type(mod).__module__, type(mod).__qualname__))
+        if not fqn or known is None or fqn in local:
+            continue
+        row = f"{fqn}.{known[2]}"
+        inside = any(n.startswith(fqn + ".") and not (n == row and n in outputs and n not in inputs)
+                     for n in named)
+        row_spec = outputs.get(row, (None, None))[1]
+        if row in local:
+            continue
+        finish = functools.partial(_finish_row, spec=row_spec, mesh=mesh, fqn=row)
+        fast_block(mod, mesh, inputs.get(fqn, (None, None))[1], row_spec, inside, finish)
+
+
+def _finish_row(out: Any, *, spec, mesh, fqn: str) -> Any:
+    return _apply_outputs(out, spec, mesh, fqn)
 
 
 def _convert(x: Any, mesh, placements, *, where: str) -> Any:
@@ -361,10 +384,14 @@ def _apply_outputs(out: Any, spec, mesh, fqn: str) -> Any:
 
 
 def _input_hook(module: nn.Module, args: tuple, kwargs: dict, *, mesh, spec, fqn: str):
+    if in_fast_block():  # plain local tensors inside a fast block; the block applies its boundaries itself
+        return None
     return _apply_args(args, kwargs, spec, mesh, fqn)
 
 
 def _output_hook(module: nn.Module, args: tuple, out: Any, *, mesh, spec, fqn: str):
+    if in_fast_block():
+        return None
     return _apply_outputs(out, spec, mesh, fqn)
 
 

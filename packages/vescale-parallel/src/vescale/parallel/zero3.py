@@ -1,48 +1,116 @@
-"""ZeRO 3: PyTorch's ``fully_shard`` (FSDP2) over the dp dimension of a named mesh, composed with vescale/torch TP.
+"""ZeRO 3 and HSDP: PyTorch's ``fully_shard`` (FSDP2) over the data-parallel dims of a named mesh, composed with TP.
 
 vescale does not re-implement parameter sharding: :func:`fully_shard_dp` applies ``torch.distributed.fsdp.fully_shard``
-to each transformer block and then to the root, on the ``dp`` sub-mesh. Parameters already sharded over ``tp``
-become 2-D DTensors (dp, tp); the optimizer is any plain ``torch.optim`` optimizer over ``model.parameters()``,
-and :func:`~vescale.parallel.clip_grad_norm_` works on the resulting gradients unchanged. Gradient accumulation:
-``model.set_requires_gradient_sync(False)`` for all but the last micro-batch (FSDP2's ``no_sync``).
+to each transformer block and then to the root, on the data-parallel part of the mesh:
+
+* ZeRO 3: the ``dp`` dim (or a whole 1-D mesh): parameters, gradients and optimizer states sharded over it.
+* HSDP: a mesh with the two dims ``dp_replicate`` and ``dp_shard`` (outer, inner): FSDP2's hybrid sharding, sharded
+  over ``dp_shard`` and replicated over ``dp_replicate`` (gradients reduce-scattered within a shard group, then
+  all-reduced across replicas). Data parallelism then spans both dims: ``dp_replicate x dp_shard`` data shards.
+
+Parameters already sharded over ``tp`` become 2-D (or 3-D) DTensors; the optimizer is any plain ``torch.optim``
+optimizer over ``model.parameters()``, and :func:`~vescale.parallel.clip_grad_norm_` works on the resulting gradients
+unchanged. Gradient accumulation: ``model.set_requires_gradient_sync(False)`` for all but the last micro-batch.
+
+Mixed precision (:func:`bf16_policy`): FSDP2 keeps the sharded parameters (the masters, which the optimizer updates
+and a checkpoint saves) in their own dtype, fp32, casts the gathered parameters to bf16 for forward and backward, and
+reduces the gradients in fp32 (or bf16, when asked), so the optimizer state stays fp32 too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from vescale.core.blocks import find_blocks
 from vescale.core.mesh import dim_mesh
 from vescale.parallel.errors import Zero3Error
 
-__all__ = ["fully_shard_dp"]
+__all__ = ["HSDP_DIMS", "bf16_policy", "fully_shard_dp", "zero3_dp_mesh"]
+
+#: The two mesh dims of HSDP, outer (replicate) then inner (shard), as FSDP2's 2-D mesh wants them.
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def zero3_dp_mesh(mesh):
+    """The data-parallel (sub-)mesh :func:`fully_shard_dp` shards over: 2-D ``(dp_replicate, dp_shard)`` for HSDP,
+    else the 1-D ``dp`` one (a whole 1-D mesh is the dp mesh). Raises :class:`Zero3Error` for a mesh with neither, or
+    with both ``dp`` and an HSDP dim, or with only one of the two HSDP dims. Local; issues no collective."""
+    names = tuple(mesh.mesh_dim_names or ())
+    hsdp = [n for n in HSDP_DIMS if n in names]
+    if hsdp:
+        if len(hsdp) != 2 or "dp" in names:
+            raise Zero3Error(f"mesh has dimensions {list(names)}: HSDP needs both {list(HSDP_DIMS)} (replicate "
+                             "outer, shard inner) and no 'dp' dimension")
+        return dim_mesh(mesh, HSDP_DIMS)
+    dp_mesh = dim_mesh(mesh, "dp")
+    if dp_mesh is None:
+        raise Zero3Error(f"mesh has dimensions {list(names)} (shape {tuple(mesh.shape)}); fully_shard_dp needs a 1-D "
+                         f"mesh, one with a 'dp' dimension, or one with the HSDP dimensions {list(HSDP_DIMS)}")
+    return dp_mesh
+
+
+def bf16_policy(reduce_dtype: torch.dtype = torch.float32):
+    """FSDP2's ``MixedPrecisionPolicy`` for bf16 compute over fp32 sharded masters: parameters gathered and cast to
+    bf16, gradients reduced in ``reduce_dtype`` (fp32 by default; bf16 halves the reduce-scatter bytes) and kept in
+    the sharded parameters' dtype for the optimizer, module outputs left as computed."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
 
 
 def fully_shard_dp(module: nn.Module, mesh, *, blocks: str | None = None, reshard_after_forward: bool = True,
                    mp_policy: Any = None) -> nn.Module:
-    """Shard ``module``'s parameters, gradients and optimizer states over the ``dp`` mesh dim (ZeRO 3); return it.
+    """Shard ``module``'s parameters, gradients and optimizer states over the data-parallel dims (ZeRO 3 / HSDP).
 
-    ``mesh`` is a 1-D mesh (all of it is dp) or an nD mesh with a ``"dp"`` dimension; TP must already be applied
-    over another dim of the same mesh. ``blocks`` is a regex that fully matches the FQNs of the submodules to wrap
-    one by one (each becomes one all-gather / reduce-scatter unit); by default every child of every
-    ``nn.ModuleList``. ``reshard_after_forward=False`` keeps parameters gathered between forward and backward
-    (ZeRO 2-like communication). ``mp_policy`` is a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+    ``mesh`` is a 1-D mesh (all of it is dp), an nD mesh with a ``"dp"`` dimension (ZeRO 3), or an nD mesh with
+    ``"dp_replicate"`` and ``"dp_shard"`` dimensions (HSDP: sharded over ``dp_shard``, replicated over
+    ``dp_replicate``); TP must already be applied over another dim of the same mesh. ``blocks`` is a regex that fully
+    matches the FQNs of the submodules to wrap one by one (each becomes one all-gather / reduce-scatter unit); by
+    default every child of every ``nn.ModuleList``. ``reshard_after_forward=False`` keeps parameters gathered between
+    forward and backward (ZeRO 2-like communication). ``mp_policy`` is a ``torch.distributed.fsdp.MixedPrecisionPolicy``
+    (:func:`bf16_policy` for bf16 compute over fp32 masters). Parameters are sharded in place, as they are: cast the
+    model to the master dtype before, not after. Returns ``module`` (now also an FSDP module).
     """
     from torch.distributed.fsdp import fully_shard
 
-    dp_mesh = dim_mesh(mesh, "dp")
-    if dp_mesh is None:
-        raise Zero3Error(f"mesh has dimensions {list(mesh.mesh_dim_names or ())} (shape {tuple(mesh.shape)}); "
-                         "fully_shard_dp needs a 1-D mesh or one with a 'dp' dimension")
+    dp_mesh = zero3_dp_mesh(mesh)
     targets = [m for _, m in find_blocks(module, blocks, every_list=True)]
     if blocks is not None and not targets:
         raise Zero3Error(f"blocks pattern {blocks!r} matches no submodule FQN of {type(module).__name__}")
     kw = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
-    for m in targets:
-        fully_shard(m, **kw)
-    fully_shard(module, **kw)
+    for m in [*targets, module]:
+        _shard_outside_capture(m, fully_shard, kw)
     return module
+
+
+def _shard_outside_capture(module: nn.Module, fully_shard, kw: dict) -> None:
+    """``fully_shard(module, **kw)`` with FSDP2's forward pre- and post-hooks run with factory capture suspended.
+
+    A module parallelized by vescale runs its forward under :class:`~vescale.parallel.factory.FactoryCapture`, which
+    makes ``torch.empty`` & co. replicated DTensors; FSDP2's all-gather buffers, made in its hooks, must stay plain
+    tensors. The hooks are bracketed by registering ours around FSDP2's: its pre-hook is prepended (so ours, prepended
+    before and after it, sit on either side), its post-hook appended (likewise).
+    """
+    from vescale.parallel.factory import capture_suspended
+
+    held: list = []
+
+    def enter(*_args) -> None:
+        cm = capture_suspended()
+        cm.__enter__()
+        held.append(cm)
+
+    def leave(*_args) -> None:
+        if held:
+            held.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(leave, prepend=True)  # runs right after FSDP2's pre-hook (prepended next)
+    module.register_forward_hook(enter)  # right before FSDP2's post-hook (appended next)
+    fully_shard(module, **kw)
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)

@@ -27,7 +27,7 @@ overlapped with the rest of it; after the tied-weight sum over pp it calls ``fin
 dp all-reduce skips that stage's parameters. The wrapper is told which of the stage's parameters are tied
 (``late`` in :meth:`PipeEngine.wrap_stages`): their gradients are complete only after the pp sum, so it must leave
 them to ``finish_grad_sync()`` (``DistributedDataParallel(late_params=...)``). vescale-pipe does not import the
-reducer: the caller composes the two (``tools/train.py`` does not yet; see the README).
+reducer: the caller composes the two (``tools/train.py`` does, for every pp x dp mesh).
 """
 
 from __future__ import annotations
@@ -193,6 +193,18 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
     if main is not None:
         return main
     return None if p.grad is None else _local(p.grad)
+
+
+def _accumulated(p: torch.Tensor) -> torch.Tensor | None:
+    """What ``p``'s gradient holds before a step, as :func:`_grad` reads it; ``None`` when it was cleared.
+
+    A cleared ``.grad`` (``zero_grad(set_to_none=True)``) means nothing is accumulated, even when a dp reducer's
+    ``main_grad`` view still holds the last step's values (the reducer overwrites them with the next gradient). Only
+    a reducer that keeps the gradient in another dtype than the parameter's holds it in ``main_grad`` alone."""
+    main = getattr(p, "main_grad", None)
+    if p.grad is None and (main is None or main.dtype == p.dtype):
+        return None
+    return _grad(p)
 
 
 def _plain(t: Any) -> Any:
@@ -378,7 +390,7 @@ class PipeEngine:
         self._losses: dict = {}
         self._sends: list = []
         # Tied gradients are summed over ranks per step: keep what .grad held before, sum only this step's part.
-        self._before = {n: [None if (g := _grad(p)) is None else g.clone() for p in self._params.get(n, [])]
+        self._before = {n: [None if (g := _accumulated(p)) is None else g.clone() for p in self._params.get(n, [])]
                         for n in self.shared}
         acts = self.schedule.actions[self.pp_rank]
         i = 0

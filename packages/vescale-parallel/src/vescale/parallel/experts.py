@@ -1,0 +1,329 @@
+"""Expert parallelism: the experts of a mixture-of-experts model distributed over the ``ep`` mesh dim.
+
+:func:`parallelize_experts` takes an unmodified model whose MoE blocks have the Hugging Face shape (Mixtral,
+Qwen2-MoE, Qwen3-MoE, ...): a *router* returning ``(router_logits, top_k_weights, top_k_index)`` and an *experts*
+module called as ``experts(hidden_states [N, D], top_k_index [N, k], top_k_weights [N, k]) -> [N, D]`` whose own
+parameters are stacked per expert (``gate_up_proj [E, ...]``, ``down_proj [E, ...]``). Expert modules are found from
+the model's structure (:func:`find_experts`), not from class names.
+
+The layout (what each rank holds and computes):
+
+- ``ep`` is a data dim for everything outside the experts: each ep rank runs the model on its own part of the batch
+  (activations ``Shard(0)`` on ``ep``, like ``dp``), and dense parameters are replicated there, their gradients
+  summed over ``ep`` by DTensor as over ``dp``.
+- Each expert parameter is a DTensor ``Shard(0)`` on ``ep``: rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``. The
+  vescale checkpoint sees the global ``[E, ...]`` tensor, so a checkpoint saved on one ep size loads on another, or
+  on one process into the plain model.
+- The experts module runs on local tensors (a ``local`` entry of the plan, see :mod:`.local`). Its forward sends each
+  (token, choice) pair to the rank holding its expert with one variable-split ``all_to_all_single`` over ``ep``, runs
+  the module's *own* forward on the received tokens with this rank's experts, sends the results back with a second
+  all-to-all, and sums them weighted by the router's weights. Backward runs the two all-to-alls in reverse, so each
+  expert's gradient gathers every ep rank's tokens. No token is dropped (no capacity factor).
+- Routing (top-k, softmax, normalisation, the load-balancing loss and its coefficient) is the model's own code,
+  run on DTensors over the global batch, so it is what one device computes on the whole batch.
+- Expert gradients are reduced over ``dp`` (the ranks holding the same experts), never over ``ep``.
+
+Other mesh dims compose through the plan given for the dense part (any plan of
+:func:`~vescale.parallel.parallelize_module` over the same mesh, e.g. ``mixtral_plan(mesh)`` for TP on attention and
+TP inside each expert): :func:`expert_parallel_plan` adds ``Shard(0)`` on ``ep`` to the plan's activation placements
+and expert parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from vescale.core.errors import VescaleError
+
+__all__ = ["parallelize_experts", "expert_parallel_plan", "find_experts", "ExpertsInfo", "ExpertParallelError"]
+
+
+class ExpertParallelError(VescaleError, ValueError):
+    """A mesh, model or plan that :func:`parallelize_experts` cannot use (no ``ep`` dim, no experts, ``ep`` not
+    dividing the number of experts)."""
+
+#: The keyword arguments a Hugging Face causal LM takes per example (batch dim 0): the default root boundary.
+_HF_BATCH_KWARGS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+class ExpertsInfo:
+    """One experts module found in a model: its FQN, the module, its number of experts and its parameters' names."""
+
+    def __init__(self, fqn: str, module: nn.Module, num_experts: int, params: list[str]) -> None:
+        self.fqn, self.module, self.num_experts, self.params = fqn, module, num_experts, params
+
+    def __repr__(self) -> str:
+        return f"ExpertsInfo({self.fqn!r}, num_experts={self.num_experts}, params={self.params})"
+
+
+def find_experts(model: nn.Module) -> list[ExpertsInfo]:
+    """The experts modules of ``model``, found by structure.
+
+    An experts module owns (directly, not through children) parameters that all have >= 3 dims and the same leading
+    size ``E >= 2`` (one slice per expert), and its parent has a router: another child module owning a 2-D weight of
+    shape ``[E, hidden]``. Pure; no collective.
+    """
+    found = []
+    modules = dict(model.named_modules())
+    for fqn, mod in modules.items():
+        own = list(mod.named_parameters(recurse=False))
+        if not own or any(p.dim() < 3 for _, p in own):
+            continue
+        sizes = {p.shape[0] for _, p in own}
+        if len(sizes) != 1 or next(iter(sizes)) < 2:
+            continue
+        num = next(iter(sizes))
+        parent_fqn, _, name = fqn.rpartition(".")
+        parent = modules.get(parent_fqn) if fqn else None
+        if parent is None or not _has_router(parent, name, num):
+            continue
+        found.append(ExpertsInfo(fqn, mod, num, [f"{fqn}.{n}" for n, _ in own]))
+    return found
+
+
+def _has_router(parent: nn.Module, experts_name: str, num: int) -> bool:
+    for name, child in parent.named_children():
+        if name == experts_name:
+            continue
+        for _, p in child.named_parameters(recurse=False):
+            if p.dim() == 2 and p.shape[0] == num:
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _is_placements(value: Any, ndim: int) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == ndim
+            and all(isinstance(p, Placement) for p in value))
+
+
+def _batch_on_ep(placements, i_ep: int) -> list[Placement]:
+    """An activation's placements with the batch (dim 0) sharded on ``ep`` where the plan replicated it."""
+    out = list(placements)
+    if isinstance(out[i_ep], Replicate):
+        out[i_ep] = Shard(0)
+    return out
+
+
+def _map_arguments(value: Any, fn, ndim: int) -> Any:
+    """Apply ``fn`` to every placements list of a boundary entry (a list or dict of placements-or-None)."""
+    if isinstance(value, Mapping):
+        return {k: (fn(v) if _is_placements(v, ndim) else v) for k, v in value.items()}
+    return [fn(v) if _is_placements(v, ndim) else v for v in value]
+
+
+def _first_match(section: Mapping, fqn: str):
+    for pattern, value in section.items():
+        if re.fullmatch(pattern, fqn):
+            return value
+    return None
+
+
+def expert_parallel_plan(model: nn.Module, mesh, plan: Mapping | None = None, *, ep: str = "ep", dp: str = "dp",
+                         experts: list[ExpertsInfo] | None = None) -> dict:
+    """``plan`` (a :func:`~vescale.parallel.parallelize_module` plan over ``mesh``, or None: everything replicated
+    but the batch, which is sharded on ``dp`` when the mesh has it) with expert parallelism over mesh dim ``ep``
+    added; pure (no collective, ``plan`` is not changed).
+
+    - every ``input``/``output``/``local`` placements list that replicates ``ep`` shards the batch (dim 0) there;
+    - each expert parameter is ``Shard(0)`` on ``ep``, keeping the plan's placements on the other dims;
+    - each experts module gets a ``local`` entry (the plan's own if it has one; by default each rank's local
+      gradients are the arguments' own placements) and an ``output`` entry (default: the batch placements);
+    - the root gets the Hugging Face keyword boundary (``input_ids``, ``labels``, ``attention_mask``,
+      ``position_ids`` in, ``logits`` out, all batch-sharded) when the plan has no root entry.
+
+    Raises :class:`~vescale.parallel.errors.ExpertParallelError` when the mesh has no ``ep`` dim, the model has no
+    experts, or ``ep`` does not divide an experts module's number of experts.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if ep not in names:
+        raise ExpertParallelError(f"expert parallelism wants mesh dim {ep!r} but the mesh has dims {list(names)}")
+    i_ep, ndim, size = names.index(ep), mesh.ndim, mesh.size(names.index(ep))
+    experts = find_experts(model) if experts is None else experts
+    if not experts:
+        raise ExpertParallelError(
+            f"{type(model).__name__} has no experts module: expected a module owning parameters stacked per expert "
+            f"([E, ...], >= 3 dims) beside a router owning a [E, hidden] weight")
+    for info in experts:
+        if info.num_experts % size:
+            raise ExpertParallelError(f"{info.fqn} has {info.num_experts} experts, not divisible by mesh dim {ep!r} "
+                                      f"of size {size}")
+    if plan is None:
+        plan = {}
+        if dp in names and dp != ep:
+            batch = [Shard(0) if n == dp else Replicate() for n in names]
+            plan["input"] = {"": {k: batch for k in _HF_BATCH_KWARGS}}
+            plan["output"] = {"": {"logits": batch}}
+    plan = dict(plan)
+    batch = _batch_on_ep([Replicate()] * ndim, i_ep)
+    root_in = (plan.get("input") or {}).get("")
+    if root_in is not None:
+        first = next((v for v in (root_in.values() if isinstance(root_in, Mapping) else root_in)
+                      if _is_placements(v, ndim)), None)
+        if first is not None:
+            batch = _batch_on_ep(first, i_ep)
+    fix = functools.partial(_batch_on_ep, i_ep=i_ep)
+
+    params: dict[str, Any] = {}
+    base_params = plan.get("parameter") or {}
+    for info in experts:
+        for fqn in info.params:
+            placements = list(_first_match(base_params, fqn) or [Replicate()] * ndim)
+            placements[i_ep] = Shard(0)
+            params[re.escape(fqn)] = placements
+    params.update(base_params)
+
+    sections: dict[str, dict] = {}
+    for section in ("input", "output", "local"):
+        sections[section] = {k: _map_arguments(v, fix, ndim) for k, v in (plan.get(section) or {}).items()}
+    for info in experts:
+        key = re.escape(info.fqn)
+        if _first_match(sections["local"], info.fqn) is None:
+            sections["local"] = {key: [None, None, None], **sections["local"]}
+        if _first_match(sections["output"], info.fqn) is None:
+            sections["output"] = {key: [batch], **sections["output"]}
+    if "" not in sections["input"]:
+        sections["input"][""] = {k: batch for k in _HF_BATCH_KWARGS}
+    if "" not in sections["output"]:
+        sections["output"][""] = {"logits": batch}
+    return {"parameter": params, **sections}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token dispatch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with variable splits along dim 0; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+@contextlib.contextmanager
+def _num_experts(module: nn.Module, num: int):
+    """The experts module's ``num_experts`` attribute (its forward sizes one-hot masks by it) set to ``num``."""
+    if not hasattr(module, "num_experts"):
+        yield
+        return
+    saved = module.num_experts
+    module.num_experts = num
+    try:
+        yield
+    finally:
+        module.num_experts = saved
+
+
+def _ep_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                orig, module: nn.Module, num_experts: int, group) -> torch.Tensor:
+    """The experts' forward on this rank's tokens (plain tensors), with the experts spread over ``group``.
+
+    ``hidden_states [N, D]``, ``top_k_index [N, k]`` (global expert ids) and ``top_k_weights [N, k]`` are this rank's
+    tokens; the module's own parameters are this rank's ``E / ep`` experts. Issues three ``all_to_all_single`` over
+    ``group`` in forward (counts, expert ids, tokens) and one more to return the results; two in backward.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    per_rank = num_experts // world
+    n, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, so by destination rank
+    expert = flat[order]
+    token = torch.div(order, k, rounding_mode="floor")
+    send = torch.bincount(torch.div(expert, per_rank, rounding_mode="floor"), minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_splits, recv_splits = send.tolist(), recv.tolist()
+    recv_expert = _all_to_all(expert, recv_splits, send_splits, group)
+
+    x = _AllToAll.apply(hidden_states[token], recv_splits, send_splits, group)
+    local_index = (recv_expert - rank * per_rank).unsqueeze(1)
+    ones = torch.ones(local_index.shape, dtype=top_k_weights.dtype, device=x.device)
+    with _num_experts(module, per_rank):
+        y = orig(x, local_index, ones)
+    # Keep every rank's graph the same shape: a rank that received no token (or whose experts were not hit) still
+    # links its output to its input and its expert weights, so both all-to-alls run backward on every rank and
+    # every expert weight gets a (zero) gradient, as on one device where unhit experts get zeros.
+    y = y + x[:0].sum()
+    for p in module.parameters(recurse=False):
+        y = y + p.reshape(-1)[:0].sum()
+    back = _AllToAll.apply(y, send_splits, recv_splits, group)
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(1)
+    out = torch.zeros_like(hidden_states)
+    return out.index_add(0, token, (back * weights).to(out.dtype))
+
+
+#: Experts modules whose forward dispatches over ep (a second parallelize_experts is refused).
+_DISTRIBUTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _install_dispatch(info: ExpertsInfo, group) -> None:
+    module = info.module
+    _DISTRIBUTED.add(module)
+    orig = module.forward
+    module.forward = functools.partial(_ep_forward, orig=orig, module=module, num_experts=info.num_experts,
+                                       group=group)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parallelize_experts(module: nn.Module, mesh, plan: Mapping | None = None, *, ep: str = "ep",
+                        dp: str = "dp") -> nn.Module:
+    """Distribute ``module``'s experts over mesh dim ``ep`` and parallelize the rest by ``plan``; return ``module``.
+
+    ``mesh`` is the whole mesh (e.g. ``init_mesh("dp=2,ep=2,tp=2")``); ``plan`` is the plan for the dense part over
+    it (``mixtral_plan(mesh)``, ``auto_plan``'s, a hand plan, or None to replicate everything but the experts and
+    the batch, which is sharded on ``dp`` and ``ep``).
+    Calls :func:`~vescale.parallel.parallelize_module` with :func:`expert_parallel_plan` (see the module docstring for
+    the layout). Each rank then passes its own part of the batch (``Shard(0)`` over ``dp`` and ``ep``, in mesh
+    order) and the model computes the single-device result over the whole batch: logits of this rank's examples,
+    the loss and the load-balancing loss of the whole batch, and every parameter's gradient.
+
+    ``dp`` names the data-parallel mesh dim the batch is sharded on when ``plan`` is None (a given plan says that
+    itself). Errors (:class:`ExpertParallelError`, :class:`~vescale.core.errors.PlanError`) are raised on every rank
+    before any collective; so is one for a model whose experts were already distributed.
+    """
+    from vescale.core.mesh import dim_group
+    from vescale.parallel.parallelize import parallelize_module
+
+    experts = find_experts(module)
+    done = [e.fqn for e in experts if e.module in _DISTRIBUTED]
+    if done:
+        raise ExpertParallelError(f"the experts {done} are already distributed by parallelize_experts")
+    full_plan = expert_parallel_plan(module, mesh, plan, ep=ep, dp=dp, experts=experts)
+    group, _ = dim_group(mesh, ep)
+    for info in experts:
+        _install_dispatch(info, group)
+    return parallelize_module(module, mesh, full_plan)
+
