@@ -27,12 +27,12 @@ from vescale.parallel.errors import (
     CompileError,
     ContextParallelError,
     DDPError,
+    ExpertParallelError,
     LossParallelError,
     Zero3Error,
     ZeroError,
 )
 from vescale.parallel.experts import (  # expert parallelism
-    ExpertParallelError,
     expert_parallel_plan,
     find_experts,
     parallelize_experts,

@@ -44,3 +44,8 @@ class DataDependentError(VescaleError, RuntimeError):
 class ContextParallelError(VescaleError, ValueError):
     """:func:`~vescale.parallel.context_parallel` cannot shard this model or call over ``cp`` exactly (a sequence length
     not divisible by ``2 x cp``, padding masks, a KV cache, attention dropout, an unsupported attention)."""
+
+
+class ExpertParallelError(VescaleError, ValueError):
+    """A mesh, model or plan that :func:`~vescale.parallel.parallelize_experts` cannot use (no ``ep`` dim, no
+    experts, ``ep`` not dividing the number of experts)."""

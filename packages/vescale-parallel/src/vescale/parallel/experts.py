@@ -44,14 +44,11 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from vescale.core.errors import VescaleError
+from vescale.parallel.errors import ExpertParallelError
 
 __all__ = ["parallelize_experts", "expert_parallel_plan", "find_experts", "ExpertsInfo", "ExpertParallelError"]
 
 
-class ExpertParallelError(VescaleError, ValueError):
-    """A mesh, model or plan that :func:`parallelize_experts` cannot use (no ``ep`` dim, no experts, ``ep`` not
-    dividing the number of experts)."""
 
 #: The keyword arguments a Hugging Face causal LM takes per example (batch dim 0): the default root boundary.
 _HF_BATCH_KWARGS = ("input_ids", "labels", "attention_mask", "position_ids")
