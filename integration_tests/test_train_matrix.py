@@ -144,6 +144,27 @@ def test_pipeline_compositions_match_single_device(world_size, mesh, kw, referen
     _check_run(world_size, mesh, reference_run, tmp_path, ranks, **kw)
 
 
+CONTEXT_PARALLEL = [(2, "cp=2"), (4, "dp=2,cp=2"), (4, "cp=2,tp=2")]
+
+
+@pytest.fixture(scope="module")
+def llama_reference_run(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-device run of the unmodified HF Llama (context parallelism takes transformers models)."""
+    from vescale.core.testing import run_on_ranks
+
+    out = tmp_path_factory.mktemp("ref-llama")
+    run_on_ranks(train.train, 1, _cfg("dp=1", out, model="llama", grad_dump=str(out / "grads.safetensors")))
+    return _losses(out), _grads(out)
+
+
+@pytest.mark.parametrize("world_size,mesh", CONTEXT_PARALLEL,
+                         ids=[f"ws{w}-{m.replace(',', 'x').replace('=', '')}" for w, m in CONTEXT_PARALLEL])
+def test_context_parallel_matches_single_device(world_size, mesh, llama_reference_run, tmp_path, ranks):
+    """Sequences sharded over cp (each rank a head and a tail chunk of every row), gradients averaged over dp x cp:
+    the first step's gradients and the loss curve of one device."""
+    _check_run(world_size, mesh, llama_reference_run, tmp_path, ranks, model="llama")
+
+
 def test_activation_checkpointing_matches_single_device(reference_run, tmp_path, ranks):
     """--activation-checkpointing selective on tp=2 (matmul outputs saved, the rest recomputed in backward under
     the root's factory capture) against the one-device run without checkpointing."""
@@ -203,11 +224,12 @@ def bf16_reference_run(tmp_path_factory, reference_run) -> tuple[list[float], di
     return _losses(out), grads
 
 
-BF16 = [(2, "tp=2", {}), (2, "dp=2", {"zero": 1}), (4, "dp=2,tp=2", {"zero": 2}), (4, "dp=2,tp=2", {"zero": 3})]
+BF16 = [(2, "tp=2", {}), (2, "tp=2", {"sequence_parallel": True}), (2, "dp=2", {"zero": 1}), (4, "dp=2,tp=2", {"zero": 2}), (4, "dp=2,tp=2", {"zero": 3})]
 
 
 @pytest.mark.parametrize("world_size,mesh,kw", BF16, ids=[f"ws{w}-{m.replace(',', 'x').replace('=', '')}-bf16-zero"
-                                                         f"{kw.get('zero', 0)}" for w, m, kw in BF16])
+                                                         f"{kw.get('zero', 0)}" + ("-sp" if kw.get("sequence_parallel") else "")
+                                                         for w, m, kw in BF16])
 def test_bf16_matches_single_device_bf16(world_size, mesh, kw, bf16_reference_run, tmp_path, ranks):
     ranks(train.train, world_size, _cfg(mesh, tmp_path, dtype="bf16", grad_dump=str(tmp_path / "grads.safetensors"),
                                         **kw))
@@ -346,6 +368,9 @@ def test_resume_on_another_mesh_continues_the_curve(ws_a, mesh_a, ws_b, mesh_b, 
     (["--mesh", "dp=2,dp_shard=2", "--zero", "3"], "HSDP names both dp_replicate and dp_shard"),
     (["--mesh", "tp=2", "--reduce-dtype", "bf16"], "--reduce-dtype bf16 needs --dtype bf16"),
     (["--mesh", "pp=2", "--dtype", "bf16"], "--dtype bf16 with pp > 1 is not supported yet"),
+    (["--mesh", "cp=2"], "context parallelism (cp) runs Hugging Face models"),
+    (["--mesh", "cp=4", "--model", "llama", "--seq-len", "20"], "--seq-len 20 is not divisible by 2 x cp = 8"),
+    (["--mesh", "pp=2,cp=2", "--model", "llama"], "cp composes with dp and tp"),
 ])
 def test_a_mesh_that_does_not_fit_is_refused_before_any_rank_starts(argv, reason, capsys):
     with pytest.raises(SystemExit) as info:

@@ -106,6 +106,7 @@ def check_fits(cfg: TrainConfig, spec: models.ModelSpec, pp: int, dp: int, tp: i
     if cfg.eval_every and not 0 < cfg.heldout < 1:
         problems.append(f"--eval-every needs a held-out split: --heldout {cfg.heldout} must lie in (0, 1)")
     problems += _precision_and_sharding_problems(cfg, pp)
+    problems += _context_parallel_problems(cfg)
     problems += models.pretrained_problems(cfg.model)
     if cfg.export_hf and not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         problems.append(f"--export-hf needs a Hugging Face model (a model directory or one of "
@@ -116,6 +117,27 @@ def check_fits(cfg: TrainConfig, spec: models.ModelSpec, pp: int, dp: int, tp: i
         problems.append(f"--min-lr {cfg.min_lr} must lie in [0, --lr {cfg.lr}]")
     if problems:
         raise SystemExit("train.py: the mesh does not fit the model or batch:\n  " + "\n  ".join(problems))
+
+
+def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """What refuses a ``cp`` mesh dim (``vescale.parallel.context_parallel``) in ``cfg``."""
+    cp = cfg.dims.get("cp", 1)
+    if cp == 1:
+        return []
+    problems = []
+    if cfg.model in models.MODEL_SIZES:
+        problems.append(f"--mesh {cfg.mesh}: context parallelism (cp) runs Hugging Face models (--model "
+                        f"{' / '.join(sorted(models.HF_MODELS))} or a model directory); the built-in {cfg.model} "
+                        f"computes its attention by hand and takes no positions")
+    if cfg.seq_len % (2 * cp):
+        problems.append(f"--seq-len {cfg.seq_len} is not divisible by 2 x cp = {2 * cp} (each sequence is cut into "
+                        f"2 x cp chunks, a head and a tail per cp rank)")
+    other = sorted(set(cfg.dims) - {"dp", "cp", "tp"})
+    if other or cfg.zero == 3 or cfg.compile or cfg.eval_every or cfg.sample_every:
+        problems.append(f"--mesh {cfg.mesh}: cp composes with dp and tp (ZeRO 0-2, bf16, --grad-accum, activation "
+                        f"checkpointing) in train.py; not with {', '.join(other) or 'pp/ep/HSDP'}, --zero 3, "
+                        f"--compile, --eval-every or --sample-every")
+    return problems
 
 
 def _precision_and_sharding_problems(cfg: TrainConfig, pp: int) -> list[str]:
@@ -233,13 +255,15 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
         cfg.dims = parse_mesh_spec(cfg.mesh)
     except ValueError as exc:
         p.error(str(exc))
-    unsupported = sorted(set(cfg.dims) - {"pp", "dp", "tp", "ep", *HSDP_DIMS})
+    unsupported = sorted(set(cfg.dims) - {"pp", "dp", "cp", "tp", "ep", *HSDP_DIMS})
     if unsupported:
-        p.error(f"--mesh {cfg.mesh}: dimension(s) {unsupported} are not supported by train.py (use pp, dp, tp, ep; "
-                f"HSDP: {', '.join(HSDP_DIMS)} instead of dp)")
+        p.error(f"--mesh {cfg.mesh}: dimension(s) {unsupported} are not supported by train.py (use pp, dp, cp, tp, "
+                f"ep; HSDP: {', '.join(HSDP_DIMS)} instead of dp)")
     ep = cfg.dims.get("ep", 1)
     if ep > 1 and (set(cfg.dims) - {"ep", "tp"} or cfg.zero or cfg.dtype != "fp32" or cfg.compile
-                   or cfg.grad_accum != 1 or cfg.activation_checkpointing != "none" or cfg.batch_size % ep):
+                   or cfg.grad_accum != 1 or cfg.activation_checkpointing != "none" or cfg.batch_size % ep
+                   or cfg.eval_every or cfg.sample_every):
         p.error(f"--mesh {cfg.mesh}: expert parallelism (ep) runs with ep and tp only, fp32, without --zero, "
-                f"--compile, --grad-accum or --activation-checkpointing, and --batch-size divisible by ep={ep}")
+                f"--compile, --grad-accum, --activation-checkpointing, --eval-every or --sample-every, and "
+                f"--batch-size divisible by ep={ep}")
     return cfg

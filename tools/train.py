@@ -147,10 +147,12 @@ def apply_dp(model: nn.Module, mesh, cfg: TrainConfig):
 
     # bf16 always takes DDP (over dp=1 without dp, see mesh_dims): its fp32 buffer accumulates the gradients that
     # DistributedOptimizer's fp32 masters step with.
-    if cfg.zero == 3 or (dp_size(mesh) == 1 and not cfg.zero and cfg.dtype == "fp32"):
+    cp = dim_size(mesh, "cp")
+    if cfg.zero == 3 or (dp_size(mesh) * cp == 1 and not cfg.zero and cfg.dtype == "fp32"):
         return None
-    log(cfg, f"dp={dp_size(mesh)}: DistributedDataParallel, ZeRO stage {cfg.zero}, {cfg.dtype}")
-    return DistributedDataParallel(model, dp_mesh(mesh), zero_stage=2 if cfg.zero == 2 else 0,
+    log(cfg, f"dp={dp_size(mesh)}" + (f" x cp={cp}" if cp > 1 else "")
+        + f": DistributedDataParallel, ZeRO stage {cfg.zero}, {cfg.dtype}")
+    return DistributedDataParallel(model, grad_mesh(mesh), zero_stage=2 if cfg.zero == 2 else 0,
                                    grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype]))
 
 
@@ -265,6 +267,15 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
         checkpoint_activations(model, cfg.activation_checkpointing)
     if cfg.compile:
         compile_parallel(model)
+    cp_positions = None
+    if dim_size(mesh, "cp") > 1:  # every cp rank runs its head and tail chunks of each row; targets sliced alike
+        from vescale.parallel import context_parallel
+        from vescale.parallel.context_parallel import local_positions
+
+        cp_mesh = sub_mesh(mesh, "cp")
+        log(cfg, f"cp={cp_mesh.size()}: sequences sharded over cp (load-balanced chunks, all-gathered keys/values)")
+        context_parallel(model, cp_mesh)
+        cp_positions = local_positions(cfg.seq_len, cp_mesh.size(), cp_mesh.get_local_rank()).to(device)
     if cfg.zero == 3:  # FSDP2 per block over dp (or dp_replicate x dp_shard); its fp32 shards are the masters
         model = apply_zero3(model, mesh, cfg)
     elif cfg.dtype != "fp32":  # DDP's fp32 buffer and DistributedOptimizer's fp32 masters keep the rest in fp32
@@ -281,6 +292,8 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
             if cfg.zero == 3:  # FSDP2 reduce-scatters only in the last micro-step's backward
                 model.set_requires_gradient_sync(last)
             with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                if cp_positions is not None:  # this rank's positions: its loss is its share (mean over cp: the row's)
+                    y = y[:, cp_positions]
                 with span("forward", cat="forward"):
                     loss = language_model_loss(module(x), y) / n
                 with span("backward", cat="backward"):
@@ -340,6 +353,17 @@ def mesh_dims(cfg: TrainConfig) -> dict[str, int]:
 def dp_size(mesh) -> int:
     """Data-parallel ranks of ``mesh``: ``dp``, or ``dp_replicate x dp_shard`` (HSDP)."""
     return dim_size(mesh, "dp") * dim_size(mesh, HSDP_DIMS[0]) * dim_size(mesh, HSDP_DIMS[1])
+
+
+def grad_mesh(mesh):
+    """The 1-D mesh gradients are averaged over: the dp mesh, or with context parallelism dp x cp flattened (cp
+    ranks hold the same parameters and each computes its share of the loss of the same rows; see
+    ``vescale.parallel.context_parallel``)."""
+    from vescale.core.torch_internals import flattened_mesh
+
+    if dim_size(mesh, "cp") == 1:
+        return dp_mesh(mesh)
+    return flattened_mesh(sub_mesh(mesh, "dp", "cp")) if "dp" in (mesh.mesh_dim_names or ()) else sub_mesh(mesh, "cp")
 
 
 def dp_mesh(mesh):
@@ -405,7 +429,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     if watch is not None:
         watch.add_mesh(mesh)
     check_fits(cfg, models.model_spec(cfg.model), dim_size(mesh, "pp"), dp_size(mesh), dim_size(mesh, "tp"))
-    device, dp, pp = rank_device(), dp_size(mesh), dim_size(mesh, "pp")
+    device, dp, pp, cp = rank_device(), dp_size(mesh), dim_size(mesh, "pp"), dim_size(mesh, "cp")
     dp_rank = dp_mesh(mesh).get_local_rank() if dp > 1 else 0
     corpus = open_data(cfg, models.model_spec(cfg.model).vocab_size)  # prepared by main: a cache hit here
     trainer = build_trainer(cfg, mesh)
@@ -434,17 +458,18 @@ def train(cfg: TrainConfig, watch=None) -> dict:
             loss = trainer.forward_backward(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
             if cfg.grad_dump and step == start:  # before clipping and the update: the raw gradient of the batch
                 at = mesh_coordinates(mesh)  # one copy of each gradient: the dp and tp replicas' first
-                dump_grads(trainer.grads(), cfg.grad_dump, keep=at.get("dp", 0) == at.get("tp", 0) == 0)
+                dump_grads(trainer.grads(), cfg.grad_dump,
+                           keep=at.get("dp", 0) == at.get("cp", 0) == at.get("tp", 0) == 0)
             if cfg.clip and not isinstance(trainer.optimizer, DistributedOptimizer):  # (that one clips itself)
                 clip_grad_norm_(trainer.parameters, cfg.clip,
                                 pp_group=sub_mesh(mesh, "pp").get_group() if pp > 1 else None)
             trainer.optimizer.step()
         if step == comm_step:
             comms = counter.summary()
-        if dp > 1:  # the logged loss is the global-batch mean, as one device computes it
+        if dp * cp > 1:  # the logged loss is the global-batch mean, as one device computes it
             loss = loss.clone()
-            dist.all_reduce(loss, group=dp_mesh(mesh).get_group())
-            loss /= dp
+            dist.all_reduce(loss, group=grad_mesh(mesh).get_group())
+            loss /= dp * cp
         dt = time.perf_counter() - t0
         window.after(step)
         run_log.step(step, {"step": step + 1, "loss": float(loss), "lr": lr_at(step, cfg), "step_s": dt,
@@ -460,7 +485,8 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     if pending_save is not None:
         pending_save.wait()
     wall = time.perf_counter() - t_start
-    if not cfg.quiet and cfg.steps > start:  # what the model learned, in text (real data, no pp)
+    # what the model learned, in text (real data; not on pp, cp or ep meshes, whose model takes only training rows)
+    if not cfg.quiet and cfg.steps > start and cp == 1 and dim_size(mesh, "ep") == 1:
         monitor.sample(cfg.steps - 1)
     if cfg.export_hf:
         export_hf(cfg, trainer, out)

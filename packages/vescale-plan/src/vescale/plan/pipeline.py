@@ -172,11 +172,18 @@ def build_pipeline(model: nn.Module, pp_mesh, *, example_inputs: Any, num_microb
             stage = parallelize_stage(stage, tp_mesh, plan, embeddings)
         elif deferred:
             materialize(stage, device=device)
-        if device is not None:
-            stage.to(device)
+        if device is not None and not _all_on(stage, torch.device(device)):
+            stage.to(device)  # (only when needed: moving swaps DTensor parameters, which drops their grad hooks)
         stages[i] = compile_forward(stage) if compile else stage
     return PipeEngine(stages, pp_mesh, schedule=sched, num_microbatches=num_microbatches, loss_fn=loss_fn,
                       dp_group=dp_group)
+
+
+def _all_on(module: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``module`` already lives on ``device`` (``cuda`` means the current one)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return all(t.device == device for t in (*module.parameters(), *module.buffers()))
 
 
 def _move_graph_device(graph: torch.fx.Graph, old: torch.device, new: torch.device) -> None:
