@@ -224,12 +224,13 @@ def bf16_reference_run(tmp_path_factory, reference_run) -> tuple[list[float], di
     return _losses(out), grads
 
 
-BF16 = [(2, "tp=2", {}), (2, "tp=2", {"sequence_parallel": True}), (2, "dp=2", {"zero": 1}), (4, "dp=2,tp=2", {"zero": 2}), (4, "dp=2,tp=2", {"zero": 3})]
+BF16 = [(2, "tp=2", {}), (2, "tp=2", {"sequence_parallel": True}), (2, "dp=2", {"zero": 1}),
+        (4, "dp=2,tp=2", {"zero": 2}), (4, "dp=2,tp=2", {"zero": 3})]
+BF16_IDS = [f"ws{w}-{m.replace(',', 'x').replace('=', '')}-bf16-zero{kw.get('zero', 0)}"
+            + ("-sp" if kw.get("sequence_parallel") else "") for w, m, kw in BF16]
 
 
-@pytest.mark.parametrize("world_size,mesh,kw", BF16, ids=[f"ws{w}-{m.replace(',', 'x').replace('=', '')}-bf16-zero"
-                                                         f"{kw.get('zero', 0)}" + ("-sp" if kw.get("sequence_parallel") else "")
-                                                         for w, m, kw in BF16])
+@pytest.mark.parametrize("world_size,mesh,kw", BF16, ids=BF16_IDS)
 def test_bf16_matches_single_device_bf16(world_size, mesh, kw, bf16_reference_run, tmp_path, ranks):
     ranks(train.train, world_size, _cfg(mesh, tmp_path, dtype="bf16", grad_dump=str(tmp_path / "grads.safetensors"),
                                         **kw))
