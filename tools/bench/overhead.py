@@ -20,9 +20,10 @@ Two steps: ``train`` (forward to full logits, cross-entropy, backward; no optimi
 ``model.generate``, greedy, dynamic cache, timed by a streamer: the mean step after the first token). Modes are
 interleaved step by step (vescale, torch, floor, ...) so machine noise hits all alike; each figure is the median over
 steps of the slowest rank, with the rank processes' CPU time per train step beside the wall time (on a loaded
-machine the wall time of a collective is mostly waiting for the other rank). ``--profile`` adds, per mode, the profiler's top entries by self CPU time for one train
-step on rank 0 (aten ops of a DTensor include DTensor's dispatch in their self time), per step. Prints one JSON object;
-also checks that all three produce the same loss / tokens (``agree``).
+machine the wall time of a collective is mostly waiting for the other rank). ``--profile`` adds, per mode, the
+profiler's top entries by self CPU time for one train step on rank 0 (aten ops of a DTensor include DTensor's
+dispatch in their self time), per step. Prints one JSON object; also checks that all three produce the same loss /
+tokens (``agree``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import json
 import os
 import statistics
 import time
+
+from generate import _Timer, _torch_tp  # the same torch TP plan and token timer as the generation bench
 
 #: ``LlamaConfig`` fields and the train batch (batch, seq) of each size.
 SIZES = {
@@ -99,7 +102,6 @@ def _floor_functions():
 
 def _floor(model):
     """``model`` (a copy of the single-device one) turned into this rank's Megatron-style shard, in place."""
-    import torch
     import torch.distributed as dist
     from torch import nn
 
@@ -142,34 +144,6 @@ def _floor(model):
     model.lm_head.register_forward_pre_hook(lambda mod, args: (CopyToTP.apply(args[0]),))
     model.lm_head.register_forward_hook(lambda mod, args, out: GatherLast.apply(out))
     return model
-
-
-def _torch_tp(model, mesh):
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate())}
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
-        plan.update({p + f"self_attn.{k}": ColwiseParallel() for k in ("q_proj", "k_proj", "v_proj")})
-        plan.update({p + f"mlp.{k}": ColwiseParallel() for k in ("gate_proj", "up_proj")})
-        plan[p + "self_attn.o_proj"] = RowwiseParallel()
-        plan[p + "mlp.down_proj"] = RowwiseParallel()
-    return parallelize_module(model, mesh, plan)
-
-
-class _Timer:
-    """A ``generate`` streamer that only records when each token arrives."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def _is_comm(name: str) -> bool:
