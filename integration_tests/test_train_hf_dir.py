@@ -105,13 +105,14 @@ def _logits_one_device(cfg: train.TrainConfig, tokens: torch.Tensor) -> torch.Te
         return trainer.state["model"](tokens).logits
 
 
-@pytest.mark.parametrize("world_size, mesh, tied", [
-    (2, "tp=2", False), (2, "pp=2", False), (4, "dp=2,tp=2", False), (4, "pp=2,tp=2", True)])
-def test_load_equals_from_pretrained(model_dir, tmp_path, world_size, mesh, tied):
+@pytest.mark.parametrize("world_size, mesh, tied, zero", [
+    (2, "tp=2", False, 0), (2, "pp=2", False, 0), (4, "dp=2,tp=2", False, 0), (4, "pp=2,tp=2", True, 0),
+    (4, "dp=2,tp=2", False, 3)])
+def test_load_equals_from_pretrained(model_dir, tmp_path, world_size, mesh, tied, zero):
     if tied:  # the last stage's head is filled from the embedding's tensor (models.load_pretrained, tied=)
         model_dir = make_model_dir(tmp_path / "tied", tied=True)
     ref = {k: v for k, v in _reference(model_dir).state_dict().items()}
-    per_rank = run_on_ranks(_loaded_state, world_size, _cfg(mesh, model_dir, tmp_path))
+    per_rank = run_on_ranks(_loaded_state, world_size, _cfg(mesh, model_dir, tmp_path, zero=zero))
     seen: dict[str, torch.Tensor] = {}
     for state in per_rank:
         for name, t in state.items():

@@ -259,7 +259,7 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
     elif is_deferred(model):  # dp replicas each compute 1/dp of the init, then all-gather it (pretrained: no
         dp = dim_size(mesh, "dp")  # gather, every replica reads the weights itself)
         materialize(model, device=device, replicate_over=sub_mesh(mesh, "dp") if dp > 1 and not pretrained else None)
-    if pretrained:
+    if pretrained and cfg.zero != 3:  # (ZeRO 3: into FSDP2's shards, below)
         log(cfg, f"weights from {cfg.model}: each rank reads its own shards")
         models.load_pretrained(cfg.model, [model])
     init_s, bytes_built = time.perf_counter() - t0, whole_bytes if cfg.init == "eager" else state_bytes([model])
@@ -278,6 +278,9 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
         cp_positions = local_positions(cfg.seq_len, cp_mesh.size(), cp_mesh.get_local_rank()).to(device)
     if cfg.zero == 3:  # FSDP2 per block over dp (or dp_replicate x dp_shard); its fp32 shards are the masters
         model = apply_zero3(model, mesh, cfg)
+        if pretrained:  # each rank reads only the bytes of its ZeRO-3 (and tp) shard of every weight
+            log(cfg, f"weights from {cfg.model}: each rank reads its ZeRO-3 shards")
+            models.load_pretrained(cfg.model, [model])
     elif cfg.dtype != "fp32":  # DDP's fp32 buffer and DistributedOptimizer's fp32 masters keep the rest in fp32
         model.to(getattr(torch, DTYPES[cfg.dtype]))
     ddp = apply_dp(model, mesh, cfg)

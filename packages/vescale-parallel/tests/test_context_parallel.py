@@ -39,7 +39,8 @@ def _batch(rows: int, seq: int):
     return tokens, labels
 
 
-def _case(kind: str, dims: dict, attn: str = "sdpa", window: int | None = None, tp_plan: bool = False):
+def _case(kind: str, dims: dict, attn: str = "sdpa", window: int | None = None, tp_plan: bool = False,
+          checkpointed: bool = False):
     import copy
 
     import torch
@@ -63,6 +64,10 @@ def _case(kind: str, dims: dict, attn: str = "sdpa", window: int | None = None, 
 
         parallelize_module(par, sub_mesh(mesh, "tp"), PLANS[kind](sub_mesh(mesh, "tp")))
     context_parallel(par, cp_mesh)
+    if checkpointed:  # the recompute in backward must attend over the whole sequence again, as the forward did
+        from vescale.parallel import checkpoint_activations
+
+        checkpoint_activations(par, "full")
     r = mesh.get_local_rank("dp") if dp > 1 else 0
     my_tokens, my_labels = tokens.chunk(dp)[r], labels.chunk(dp)[r]
     out = par(input_ids=my_tokens, labels=my_labels)
@@ -96,10 +101,11 @@ def _case(kind: str, dims: dict, attn: str = "sdpa", window: int | None = None, 
                                    msg=lambda m, name=name: f"{kind} {dims} {name}: {m}")
 
 
-@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("qwen2", "eager"), ("mistral", "sdpa")])
+@pytest.mark.parametrize("kind,attn,checkpointed", [("llama", "sdpa", False), ("qwen2", "eager", False),
+                                                    ("mistral", "sdpa", False), ("llama", "eager", True)])
 @multi_rank(world_sizes=[2])
-def test_cp2_matches_single_device(kind, attn):
-    _case(kind, {"cp": 2}, attn, window=5 if kind == "mistral" else None)
+def test_cp2_matches_single_device(kind, attn, checkpointed):
+    _case(kind, {"cp": 2}, attn, window=5 if kind == "mistral" else None, checkpointed=checkpointed)
 
 
 @multi_rank(world_sizes=[4])

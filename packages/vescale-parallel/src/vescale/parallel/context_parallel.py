@@ -9,7 +9,9 @@ model on its part of every sequence:
   attention work and none idles on the masked half.
 - **Positions.** The model is called with the global ``position_ids`` of the rank's tokens, so rotary embeddings are
   those of one device.
-- **Attention: all-gather of keys and values** (the scheme Llama 3 trained with). Each attention layer gathers the
+- **Attention: all-gather of keys and values** (the scheme Llama 3 trained with). The model's attention
+  implementation becomes ``vescale_context_parallel`` (registered in transformers' attention interface; the model's
+  own, sdpa or eager, keeps setting the arithmetic). Each attention layer gathers the
   keys and values of the whole sequence over ``cp`` and computes its own queries against them under the global causal
   mask (and sliding window, where the model has one). Scores and probabilities per rank are ``S / cp x S``: they,
   and every other activation of the model, fall as ``1 / cp``; the gathered keys and values (``S x kv_heads x
@@ -31,10 +33,9 @@ rank's positions, in its chunk order; :func:`gather_sequence` puts a tensor of t
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,43 +49,47 @@ from vescale.parallel.factory import capture_suspended
 __all__ = ["context_parallel", "gather_sequence", "local_positions"]
 
 ATTENTION_NAME = "vescale_context_parallel"  # the name registered in transformers' attention interfaces
-_active = threading.local()  # the _Layout of the forward now running under context parallelism
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Where each global position of a length-``seq_len`` sequence lives on a ``size``-rank cp group."""
+class _Setup:
+    """A context-parallel model's cp group and its own attention arithmetic, found from its config by the attention
+    function (which transformers calls with the attention module, whose ``config`` is the model's)."""
 
+    config: weakref.ref
     group: dist.ProcessGroup
     size: int
     rank: int
-    seq_len: int
     attn_implementation: str  # the model's own: "sdpa" or "eager" arithmetic is kept
-    masks: dict = field(default_factory=dict, compare=False)  # (window, device) -> mask, for one forward
 
-    def positions(self, rank: int | None = None) -> torch.Tensor:
-        """Global positions held by ``rank`` (this rank by default), in its local order."""
-        return local_positions(self.seq_len, self.size, self.rank if rank is None else rank)
 
-    def gathered_positions(self) -> torch.Tensor:
-        """Global positions of the keys after the all-gather: every rank's positions, rank after rank."""
-        return torch.cat([self.positions(r) for r in range(self.size)])
+_SETUPS: dict[int, _Setup] = {}  # id(config) -> its _Setup
 
-    def mask(self, window: int | None, device: torch.device, dtype: torch.dtype = torch.bool) -> torch.Tensor:
-        """``[S_local, S]``: which gathered keys each local query may attend to (causal, within ``window``); bool, or
-        additive (0 / -inf) in a floating ``dtype``. Built once per forward and shared by the layers: torch's CPU
-        attention kernel turns a bool mask into a float copy it keeps for backward, one per layer; an additive mask
-        of the query's dtype is kept as is, one for all layers."""
-        key = (window, str(device), dtype)
-        if key not in self.masks:
-            q_pos, k_pos = self.positions().to(device), self.gathered_positions().to(device)
-            allowed = q_pos[:, None] >= k_pos[None, :]
-            if window is not None:
-                allowed &= (q_pos[:, None] - k_pos[None, :]) < window
-            if dtype != torch.bool:
-                allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-            self.masks[key] = allowed
-        return self.masks[key]
+
+def _setup_of(module: nn.Module) -> _Setup:
+    config = getattr(module, "config", None)
+    setup = _SETUPS.get(id(config))
+    if setup is None or setup.config() is not config:
+        raise ContextParallelError(f"{type(module).__name__} runs the {ATTENTION_NAME!r} attention but its model was "
+                                   f"not set up by context_parallel")
+    return setup
+
+
+@functools.lru_cache(maxsize=16)
+def _mask(seq_len: int, size: int, rank: int, window: int | None, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """``[S_local, S]``: which gathered keys (every rank's positions, rank after rank) each of ``rank``'s queries may
+    attend to (causal, within ``window``); bool, or additive (0 / -inf) in a floating ``dtype``. Cached, so every
+    layer of a forward (and its recompute under activation checkpointing) shares one: torch's CPU attention kernel
+    turns a bool mask into a float copy it keeps for backward, one per layer; an additive mask of the query's dtype
+    is kept as is."""
+    q_pos = local_positions(seq_len, size, rank).to(device)
+    k_pos = torch.cat([local_positions(seq_len, size, r) for r in range(size)]).to(device)
+    allowed = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        allowed &= (q_pos[:, None] - k_pos[None, :]) < window
+    if dtype != torch.bool:
+        allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return allowed
 
 
 def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -147,12 +152,10 @@ def _local_heads(t: torch.Tensor):
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    """transformers attention-interface function: this rank's queries against the whole sequence's keys and values."""
-    layout: _Layout | None = getattr(_active, "layout", None)
-    if layout is None:
-        raise ContextParallelError(f"the model's attention implementation is {ATTENTION_NAME!r} but no "
-                                   f"context-parallel forward is running (call the model that context_parallel "
-                                   f"returned)")
+    """transformers attention-interface function: this rank's queries against the whole sequence's keys and values.
+    Everything it needs comes from the model's config and the operands' shapes (the sequence length is ``cp`` times
+    the local one), so a recompute in backward (activation checkpointing) computes exactly what the forward did."""
+    setup = _setup_of(module)
     if dropout and module.training:
         raise ContextParallelError(f"attention dropout ({dropout}) under context parallelism is not supported: its "
                                    f"random mask would not equal one device's; set attention_dropout=0")
@@ -163,18 +166,19 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     k, _ = _local_heads(key)
     v, _ = _local_heads(value)
     with capture_suspended():  # plain per-rank tensors from here on, also inside a tensor-parallel forward
-        out = _local_attention(q, k, v, layout, scaling, kwargs.get("sliding_window"))
+        out = _local_attention(q, k, v, setup, scaling, kwargs.get("sliding_window"))
     return wrap(out), None
 
 
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: _Layout, scaling: float | None,
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: _Setup, scaling: float | None,
                      window: int | None) -> torch.Tensor:
     """``[B, S_local, H, D]``: queries ``q`` (this rank's positions) against the whole sequence's keys and values."""
-    k = _GatherSequence.apply(k, layout.group, layout.size)
-    v = _GatherSequence.apply(v, layout.group, layout.size)
+    seq_len = q.shape[2] * setup.size
+    k = _GatherSequence.apply(k, setup.group, setup.size)
+    v = _GatherSequence.apply(v, setup.group, setup.size)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if layout.attn_implementation == "eager":  # transformers' eager arithmetic: softmax in fp32
-        allowed = layout.mask(window, q.device)
+    if setup.attn_implementation == "eager":  # transformers' eager arithmetic: softmax in fp32
+        allowed = _mask(seq_len, setup.size, setup.rank, window, str(q.device), torch.bool)
         if q.shape[1] != k.shape[1]:  # grouped key/value heads
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -183,8 +187,8 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v)
     else:  # grouped key/value heads stay grouped: the kernel reads them without a repeated copy kept for backward
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask(window, q.device, q.dtype), scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        mask = _mask(seq_len, setup.size, setup.rank, window, str(q.device), q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).contiguous()
 
 
@@ -200,19 +204,6 @@ def _register() -> None:
 
     AttentionInterface.register(ATTENTION_NAME, _attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
-
-
-@contextlib.contextmanager
-def _running(model: nn.Module, layout: _Layout):
-    config = model.config
-    own = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
-    _active.layout = layout
-    try:
-        yield
-    finally:
-        _active.layout = None
-        config._attn_implementation = own
 
 
 def context_parallel(model: nn.Module, mesh) -> nn.Module:
@@ -235,6 +226,9 @@ def context_parallel(model: nn.Module, mesh) -> nn.Module:
     group = _cp_group(mesh)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     _register()
+    _SETUPS[id(config)] = _Setup(weakref.ref(config), group, size, rank, own)
+    weakref.finalize(config, _SETUPS.pop, id(config), None)
+    config._attn_implementation = ATTENTION_NAME  # from now on: every attention layer goes through _attention
     inner = model.forward
 
     @functools.wraps(inner)
@@ -250,8 +244,7 @@ def context_parallel(model: nn.Module, mesh) -> nn.Module:
             raise ContextParallelError("a KV cache (use_cache / past_key_values) is not supported under context "
                                        "parallelism: it serves generation, which cp does not")
         kwargs["use_cache"] = False
-        layout = _Layout(group, size, rank, seq_len, own)
-        index = layout.positions().to(input_ids.device)
+        index = local_positions(seq_len, size, rank).to(input_ids.device)
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
         if labels is not None:
@@ -259,9 +252,8 @@ def context_parallel(model: nn.Module, mesh) -> nn.Module:
             count = (shifted != -100).sum().to(torch.float32)
             local = shifted[:, index].contiguous()
             kwargs.update(labels=local, shift_labels=local, num_items_in_batch=count / size)
-        with _running(model, layout):
-            return inner(input_ids=input_ids[:, index].contiguous(), position_ids=position_ids[..., index].contiguous(),
-                         **kwargs)
+        return inner(input_ids=input_ids[:, index].contiguous(), position_ids=position_ids[..., index].contiguous(),
+                     **kwargs)
 
     model.forward = forward
     return model
