@@ -142,7 +142,12 @@ class Storage:
                 data = f.read(limit + 1)
         else:
             size = self.fs.size(self.path(name))
-            data = b"" if size is not None and size > limit else self.fs.cat_file(self.path(name), 0, limit + 1)
+            if size is not None and size > limit:
+                data = b""
+            elif size is not None:  # within the limit: read it whole (S3 refuses a range reaching past the end)
+                data = self.fs.cat_file(self.path(name))
+            else:
+                data = self.fs.cat_file(self.path(name), 0, limit + 1)
             size = max(len(data), size or 0)
         if (len(data) if self.local else size) > limit:
             raise CorruptCheckpointError(f"checkpoint file {self.where(name)} is larger than {limit} bytes, the "
