@@ -1,4 +1,5 @@
-"""vescale's own types, recognised when installed: RaggedShard / InterleavedShard DTensors, ZeRO DistributedOptimizer.
+"""vescale's own types, recognised when installed: RaggedShard / InterleavedShard DTensors, ZeRO DistributedOptimizer,
+experts distributed over ``ep`` (``vescale.parallel.parallelize_experts``).
 
 An integration test: vescale-checkpoint does not depend on vescale-dtensor or vescale-parallel, so its own session
 cannot run these. All comparisons are bitwise against the global tensors saved, except the ZeRO-vs-single-device
@@ -167,3 +168,54 @@ def test_zero_optimizer_async_save_is_fenced_by_its_step(tmp_path):
         assert torch.equal(p, q)
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(o1.state[p][name], o2.state[q][name]), name
+
+
+def _mixtral(seed: int):
+    """A tiny unmodified Mixtral (4 experts, top-2) from ``seed``."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                              attn_implementation="eager", experts_implementation="eager")
+    return tf.MixtralForCausalLM(config).train()
+
+
+def _ep_save_trained(path: str) -> dict:
+    """One SGD step on ep=2 (so the values are not the init), then save; return the whole parameters."""
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import parallelize_experts
+
+    mesh = init_mesh({"ep": 2})
+    model = parallelize_experts(_mixtral(0), mesh)
+    tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    i = mesh.get_local_rank("ep")
+    model(input_ids=tokens.chunk(2)[i], labels=tokens.chunk(2)[i]).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    checkpoint.save(path, {"model": model}).wait()
+    return {k: p.detach().full_tensor() for k, p in model.named_parameters()}
+
+
+def _ep4_load(path: str) -> dict:
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import parallelize_experts
+
+    model = parallelize_experts(_mixtral(7), init_mesh({"ep": 4}))
+    checkpoint.load(path, {"model": model})
+    return {k: p.detach().full_tensor() for k, p in model.named_parameters()}
+
+
+def test_expert_parallel_checkpoint_reshards_across_ep_sizes(tmp_path):
+    """Saved on ep=2 after a step, loaded bitwise on ep=4 and into the plain model on one process."""
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(_ep_save_trained, 2, path)[0]
+    assert not torch.equal(saved["model.layers.0.mlp.experts.gate_up_proj"],
+                           _mixtral(0).model.layers[0].mlp.experts.gate_up_proj.detach())
+    for loaded in run_on_ranks(_ep4_load, 4, path):
+        assert loaded.keys() == saved.keys()
+        for k in saved:
+            assert torch.equal(loaded[k], saved[k]), f"ep=4 {k}"
+    plain = _mixtral(7)
+    checkpoint.load(path, {"model": plain})
+    for k, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved[k]), f"1 process {k}"
