@@ -28,6 +28,8 @@ import json
 import statistics
 import time
 
+from tp import _peak_rss_reset, _proc_status_bytes  # peak-RSS reading shared with the TP bench
+
 
 def _config(small: bool) -> tuple[dict, int, int]:
     """(Mixtral config kwargs, global batch, sequence length)."""
@@ -36,24 +38,6 @@ def _config(small: bool) -> tuple[dict, int, int]:
                     num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2), 8, 32
     return dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                 num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2), 8, 256
-
-
-def _proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _peak_rss_reset() -> int:
-    """Reset this process's peak RSS (Linux ``clear_refs`` 5) and return the current RSS in bytes."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _proc_status_bytes("VmRSS")
 
 
 def _rank_main(mode: str, small: bool, steps: int, warmup: int) -> dict:
