@@ -1,9 +1,26 @@
-"""vescale.checkpoint against torch.distributed.checkpoint (DCP) on the same model plus AdamW state.
+"""vescale.checkpoint against torch.distributed.checkpoint (DCP): a layout matrix (default) and a model + AdamW state.
 
-    python tools/bench/checkpoint.py [--size-mb 256] [--small] [--dir /tmp]
+    python tools/bench/checkpoint.py [--size-mb 512] [--small] [--layouts row,column] [--repeat 3] [--before]
+    python tools/bench/checkpoint.py --model-state [--size-mb 256] [--small] [--step-batch 2]
 
-4 ranks on a dp x tp = 2 x 2 mesh hold a stack of square linears (TP: colwise/rowwise, replicated over dp) with
-AdamW state; ``--size-mb`` is the unique state (parameters + exp_avg + exp_avg_sq). Measured in one run, as the
+**Layout matrix** (default). The state is ``--size-mb`` of fp32 tensors of 8M elements ([2048, 4096]; ``--small``:
+64 MiB of [1024, 2048], one sample each, under a minute), every tensor in one layout per row on 4 ranks (dp2 x tp2):
+replicated, TP rows, TP columns, 2-D block, FSDP x TP, ``InterleavedShard``, ZeRO's flat ``RaggedShard`` pieces
+(over dp = 4), and a mix. Per row, in one run, vescale and DCP alternating: save (each to a new directory, deleted
+after, untimed), load into the same layout, and, on 2 ranks, load resharded (``Shard(1)`` of each matrix,
+``Shard(0)`` of each flat tensor). DCP cannot store ``InterleavedShard`` or ``RaggedShard``; on those rows it is
+timed on the nearest torch layout with the same bytes per rank (``dcp_layout``). The first call of each is
+untimed (plans; the page cache of the files just written), so loads read from the page cache on both sides. Each
+figure: the median of ``--repeat`` calls, as the slowest rank between barriers, and the CPU seconds of all ranks
+together (``*_cpu_s``: what a call costs even when other jobs on a shared machine stretch its wall time).
+``--before`` also times vescale's loads with the mapped read path off (``VESCALE_CHECKPOINT_MMAP=0``: checks read
+the chunks, then the fill reads them again). The floors, from the same run: a load copies each byte the ranks
+hold at least once (``floor_load_s``: those bytes at the measured all-ranks memcpy rate, on buffers larger than
+the caches); a save writes the state's bytes at dd's 4-stream ``O_DIRECT`` rate (``floor_save_s``).
+
+**Model state** (``--model-state``). 4 ranks on a dp x tp = 2 x 2 mesh hold a stack of square linears (TP:
+colwise/rowwise, replicated over dp) with AdamW state; ``--size-mb`` is the unique state (parameters + exp_avg +
+exp_avg_sq). Measured in one run, as the
 slowest rank between barriers: the first call of each operation (imports, plans, lazily built optimizer state),
 then, one operation after another, the median of 5 calls with vescale and DCP alternating (the machine may be
 shared): save (each to a new directory, as a training run does), load into the same layout, load resharded onto tp =
@@ -30,6 +47,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from functools import partial
 
 from vescale.core.launch import spawn
 
@@ -236,11 +254,11 @@ def _all_max(x: float) -> float:
     return t.item()
 
 
-def _dd(root: str, mb: int) -> dict:
+def _dd(root: str, mb: int, streams_list: tuple[int, ...] = (1, 4)) -> dict:
     """Sequential write (O_DIRECT + fdatasync) and read (O_DIRECT) bandwidth of the disk under ``root``, GB/s: one
     dd stream, and 4 concurrent streams writing a quarter each (the checkpoint's 4 writing ranks)."""
     out = {}
-    for streams in (1, 4):
+    for streams in streams_list:
         files = [os.path.join(root, f"dd{i}.tmp") for i in range(streams)]
         count = max(1, mb // 4 // streams)
         suffix = "" if streams == 1 else f"_{streams}x"
@@ -263,15 +281,8 @@ def _dd(root: str, mb: int) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=int, default=256, help="unique model + AdamW state in MiB (default 256)")
-    parser.add_argument("--small", action="store_true", help="a 64 MiB state (the nox bench session)")
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
-    parser.add_argument("--d-model", type=int, default=1024)
-    parser.add_argument("--step-batch", type=int, default=2,
-                        help="rows of the training step run after each async save (default 2: a near-empty step)")
-    args = parser.parse_args()
+def model_state(args) -> dict:
+    """The model + AdamW bench (``--model-state``): save, loads, async saves against DCP."""
     size = 64 if args.small else args.size_mb
     d = args.d_model
     layers = max(2, round(size * 2**20 / (3 * 4 * d * d)) // 2 * 2)
@@ -301,7 +312,296 @@ def main() -> None:
                     out[f"{side}_save_fraction_of_{dd[:-5]}"] = round(out[f"{side}_save_GBps"] / r[dd], 3)
     out["vescale_load_GBps"] = round(gb / r["vescale_load_s"], 3)
     out["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(out))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The layout matrix (the default mode): every tensor of the state in one layout, row by row.
+
+#: the rows of the matrix: name -> (placements on the dp2 x tp2 mesh, or None for the flat ZeRO row), described
+LAYOUTS = {
+    "replicated": "[Replicate, Replicate]",
+    "row": "[Replicate, Shard(0)] (TP rows)",
+    "column": "[Replicate, Shard(1)] (TP columns)",
+    "block2d": "[Shard(0), Shard(1)] (2-D block)",
+    "fsdp_tp": "[Shard(0), Shard(0)] (FSDP x TP)",
+    "interleaved": "[Replicate, InterleavedShard(0, 2)] (fused gate/up)",
+    "zero_ragged": "flat 1-D tensors, RaggedShard((0,), (5, 3, 4, 4)) over 4 ranks (ZeRO shards)",
+    "mixed": "tensor i in the i % 5-th of the first five rows",
+}
+_PLAIN = ["replicated", "row", "column", "block2d", "fsdp_tp"]
+#: DCP cannot store these layouts: it is timed on the nearest layout torch has, with the same bytes per rank
+DCP_STAND_IN = {"interleaved": "row", "zero_ragged": "flat Shard(0) over 4 ranks"}
+
+
+def _placements(layout: str, i: int):
+    from torch.distributed.tensor import Replicate, Shard
+
+    if layout == "mixed":
+        layout = _PLAIN[i % len(_PLAIN)]
+    if layout == "interleaved":
+        from vescale.dtensor import InterleavedShard
+
+        return [Replicate(), InterleavedShard(0, 2)]
+    return {"replicated": [Replicate(), Replicate()], "row": [Replicate(), Shard(0)],
+            "column": [Replicate(), Shard(1)], "block2d": [Shard(0), Shard(1)],
+            "fsdp_tp": [Shard(0), Shard(0)]}[layout]
+
+
+def _global(i: int, shape: tuple[int, ...]):
+    """Tensor ``i`` of the state, the same on every rank (so that each rank slices its part locally)."""
+    import torch
+
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 + i))
+
+
+def _matrix_state(layout: str, count: int, shape: tuple[int, int], for_dcp: bool) -> dict:
+    """``count`` DTensors of ``shape`` in ``layout`` on this rank (for DCP: its stand-in layout where it has none)."""
+    from torch.distributed.tensor import Shard
+
+    from vescale.core.mesh import init_mesh
+    from vescale.dtensor import RaggedShard, distribute_tensor
+
+    state = {}
+    if layout == "zero_ragged":
+        mesh = init_mesh({"dp": 4})
+        placements = [Shard(0)] if for_dcp else [RaggedShard((0,), (5, 3, 4, 4))]
+        for i in range(count):
+            state[f"t{i}"] = distribute_tensor(_global(i, shape).reshape(-1), mesh, placements, src_data_rank=None)
+        return state
+    mesh = init_mesh({"dp": 2, "tp": 2})
+    name = DCP_STAND_IN.get(layout, layout) if for_dcp else layout
+    for i in range(count):
+        state[f"t{i}"] = distribute_tensor(_global(i, shape), mesh, _placements(name, i), src_data_rank=None)
+    return state
+
+
+def _reshard_state(layout: str, count: int, shape: tuple[int, int]) -> dict:
+    """The resharded target on 2 ranks: ``Shard(1)`` of each matrix (``Shard(0)`` of each flat ZeRO tensor),
+    zero-filled."""
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from vescale.core.mesh import init_mesh
+    from vescale.dtensor import distribute_tensor
+
+    mesh = init_mesh({"dp": 2})
+    flat = layout == "zero_ragged"
+    zeros = torch.zeros(shape[0] * shape[1]) if flat else torch.zeros(shape)
+    return {f"t{i}": distribute_tensor(zeros, mesh, [Shard(0) if flat else Shard(1)], src_data_rank=None)
+            for i in range(count)}
+
+
+def _local_bytes(state: dict) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in state.values())
+
+
+def _memcpy(nbytes: int, repeat: int) -> float:
+    """Aggregate bandwidth (GB/s) of every rank copying ``nbytes`` at once (median of ``repeat``): the floor of a
+    load from the page cache, which copies each needed byte at least once."""
+    import torch
+    import torch.distributed as dist
+
+    src = torch.ones(max(nbytes, 256 << 20) // 4)  # out of every cache, as the state is
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    t, _ = _timed(lambda: dst.copy_(src), repeat)
+    return dist.get_world_size() * src.nbytes / t / 1e9
+
+
+def _sum_all(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _timed_cpu(fn) -> tuple[float, float]:
+    """(wall seconds of the slowest rank, CPU seconds of all ranks together) of one call between barriers: on a
+    shared machine the CPU time says what a call costs even when other jobs stretch its wall time."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    cpu = time.process_time() - c0
+    dist.barrier()
+    return time.perf_counter() - t0, _sum_all(cpu)
+
+
+def _read_twice(fn):
+    """``fn`` with the mapped local read path off: the check reads the chunks, the fill reads again (as before)."""
+    def run():
+        os.environ["VESCALE_CHECKPOINT_MMAP"] = "0"
+        try:
+            fn()
+        finally:
+            del os.environ["VESCALE_CHECKPOINT_MMAP"]
+    return run
+
+
+def _sample(samples: dict, name: str, fn) -> None:
+    wall, cpu = _timed_cpu(fn)
+    samples.setdefault(f"{name}_s", []).append(wall)
+    samples.setdefault(f"{name}_cpu_s", []).append(cpu)
+
+
+def _matrix_save(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int,
+                 before: bool) -> dict:
+    """On 4 ranks: for each layout, save and same-layout load, vescale and DCP alternating; keeps one checkpoint of
+    each for the resharded loads."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from vescale import checkpoint
+
+    fresh = iter(range(10**6))
+    out: dict = {}
+    for layout in layouts:
+        state = _matrix_state(layout, count, shape, for_dcp=False)
+        dstate = state if layout not in DCP_STAND_IN else _matrix_state(layout, count, shape, for_dcp=True)
+        v_path, d_path = f"{root}/v-{layout}", f"{root}/d-{layout}"
+        row: dict = {"local_bytes_all_ranks": _sum_all(_local_bytes(state))}
+        # first calls (plans, page cache of the files just written), untimed
+        checkpoint.save(v_path, state)
+        dcp.save(dstate, checkpoint_id=d_path)
+        checkpoint.load(v_path, state)
+        dcp.load(dstate, checkpoint_id=d_path)
+        samples: dict[str, list[float]] = {}
+        for _ in range(repeat):
+            for side, st in (("vescale", state), ("dcp", dstate)):
+                _sample(samples, f"{side}_save", partial(_save_new, side, root, fresh, st))
+                _clean_saves(root)
+        for _ in range(repeat):
+            _sample(samples, "vescale_load", partial(checkpoint.load, v_path, state))
+            _sample(samples, "dcp_load", partial(dcp.load, dstate, checkpoint_id=d_path))
+            if before:
+                _sample(samples, "vescale_read_twice_load", _read_twice(partial(checkpoint.load, v_path, state)))
+        row.update({k: statistics.median(v) for k, v in samples.items()})
+        if dist.get_rank() == 0:
+            row["vescale_bytes_written"], row["dcp_bytes_written"] = _bytes(v_path), _bytes(d_path)
+        out[layout] = row
+        state = dstate = None  # free this row's tensors before the next row's
+    out["memcpy_4_ranks_GBps"] = _memcpy(count * shape[0] * shape[1] * 4 // 4, max(repeat, 3))
+    return out
+
+
+def _save_new(side: str, root: str, fresh, state: dict) -> None:
+    """vescale's or DCP's save of ``state`` to a new directory, as a training run's saves go."""
+    import torch.distributed.checkpoint as dcp
+
+    from vescale import checkpoint
+
+    path = f"{root}/s{next(fresh)}"
+    if side == "vescale":
+        checkpoint.save(path, state)
+    else:
+        dcp.save(state, checkpoint_id=path)
+
+
+def _clean_saves(root: str) -> None:
+    """Delete the timed saves (``s<N>``), keeping the loaded checkpoints."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for name in os.listdir(root):
+            if name.startswith("s"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.barrier()
+
+
+def _matrix_reshard(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int,
+                    before: bool) -> dict:
+    """On 2 ranks: load each layout's checkpoints into the resharded target, vescale and DCP alternating."""
+    import torch.distributed.checkpoint as dcp
+
+    from vescale import checkpoint
+
+    out: dict = {}
+    for layout in layouts:
+        state = _reshard_state(layout, count, shape)
+        v_path, d_path = f"{root}/v-{layout}", f"{root}/d-{layout}"
+        checkpoint.load(v_path, state)
+        dcp.load(state, checkpoint_id=d_path)
+        samples: dict[str, list[float]] = {}
+        for _ in range(repeat):
+            _sample(samples, "vescale_load_reshard", partial(checkpoint.load, v_path, state))
+            _sample(samples, "dcp_load_reshard", partial(dcp.load, state, checkpoint_id=d_path))
+            if before:
+                _sample(samples, "vescale_read_twice_load_reshard",
+                        _read_twice(partial(checkpoint.load, v_path, state)))
+        out[layout] = {k: statistics.median(v) for k, v in samples.items()}
+        out[layout]["local_bytes_all_ranks"] = _sum_all(_local_bytes(state))
+        state = None  # free this row's tensors before the next row's
+    out["memcpy_2_ranks_GBps"] = _memcpy(count * shape[0] * shape[1] * 4 // 2, max(repeat, 3))
+    return out
+
+
+def matrix(args) -> dict:
+    """The layout matrix: one JSON object with a row per layout, the dd and memcpy figures, and the ratios."""
+    size = 64 if args.small else args.size_mb
+    shape = (1024, 2048) if args.small else (2048, 4096)
+    count = max(1, size * 2**20 // (shape[0] * shape[1] * 4))
+    repeat = 1 if args.small else args.repeat
+    layouts = args.layouts.split(",") if args.layouts else list(LAYOUTS)
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    root = tempfile.mkdtemp(prefix="vescale-ckpt-matrix-", dir=args.dir)
+    try:
+        same = spawn(_matrix_save, 4, root, layouts, count, shape, repeat, args.before)
+        other = spawn(_matrix_reshard, 2, root, layouts, count, shape, repeat, args.before)
+        dd = _dd(root, min(size, 1024), streams_list=(4,))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    state_bytes = count * shape[0] * shape[1] * 4
+    out = {"bench": "checkpoint_matrix", "state_GB": round(state_bytes / 1e9, 3), "tensors": count,
+           "shape": list(shape), "repeat": repeat, "mesh": "dp=2,tp=2 (zero_ragged: dp=4); reshard: 2 ranks",
+           "memcpy_4_ranks_GBps": round(same.pop("memcpy_4_ranks_GBps"), 2),
+           "memcpy_2_ranks_GBps": round(other.pop("memcpy_2_ranks_GBps"), 2), **dd, "rows": {}}
+    for layout in layouts:
+        r = {**same[layout], **{k: v for k, v in other[layout].items() if k != "local_bytes_all_ranks"}}
+        row = {"layout": LAYOUTS[layout], **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}
+        if layout in DCP_STAND_IN:
+            row["dcp_layout"] = DCP_STAND_IN[layout]
+        for op in ("save", "load", "load_reshard"):
+            row[f"ratio_{op}"] = round(r[f"dcp_{op}_s"] / r[f"vescale_{op}_s"], 2)
+            row[f"cpu_ratio_{op}"] = round(r[f"dcp_{op}_cpu_s"] / r[f"vescale_{op}_cpu_s"], 2)
+        # floors: one copy of every byte each rank needs at the measured memcpy rate; the unique bytes at dd's
+        row["floor_load_s"] = round(r["local_bytes_all_ranks"] / 1e9 / out["memcpy_4_ranks_GBps"], 4)
+        row["floor_load_reshard_s"] = round(other[layout]["local_bytes_all_ranks"] / 1e9
+                                            / out["memcpy_2_ranks_GBps"], 4)
+        if dd.get("dd_write_4x_GBps"):
+            row["floor_save_s"] = round(state_bytes / 1e9 / dd["dd_write_4x_GBps"], 4)
+        out["rows"][layout] = row
+    out["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-state", action="store_true",
+                        help="the model + AdamW bench (save, loads, async saves) instead of the layout matrix")
+    parser.add_argument("--size-mb", type=int, default=None,
+                        help="state size in MiB (default: 512 for the matrix, 256 for --model-state)")
+    parser.add_argument("--small", action="store_true", help="a 64 MiB state, one sample per figure (under a minute)")
+    parser.add_argument("--layouts", default="", help="matrix rows to run, comma-separated (default: all)")
+    parser.add_argument("--repeat", type=int, default=3, help="matrix: samples per figure (median; default 3)")
+    parser.add_argument("--before", action="store_true",
+                        help="matrix: also time vescale's loads with the mapped read path off (read twice, as before)")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--step-batch", type=int, default=2,
+                        help="rows of the training step run after each async save (default 2: a near-empty step)")
+    args = parser.parse_args()
+    if args.size_mb is None:
+        args.size_mb = 256 if args.model_state else 512
+    print(json.dumps(model_state(args) if args.model_state else matrix(args)))
 
 
 if __name__ == "__main__":

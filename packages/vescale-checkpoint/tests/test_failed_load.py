@@ -104,18 +104,18 @@ def test_a_failed_load_changes_nothing_on_any_rank(tmp_path):
         dist.barrier()
 
         # a read error other than corruption, on rank 1 only: agreed on, raised everywhere, nothing written
-        read_into = _storage.Storage.read_into
+        read_into, open_read = _storage.Storage.read_into, _storage.Storage._open_read
 
-        def failing(self, name, start, out):
+        def failing(self, name, *args):
             raise PermissionError(13, "Permission denied", self.where(name))
 
-        if rank == 1:
-            _storage.Storage.read_into = failing
+        if rank == 1:  # reads (read_into) and the mapped local path (_open_read) both fail
+            _storage.Storage.read_into = _storage.Storage._open_read = failing
         try:
             with pytest.raises(CheckpointError, match=r"Permission denied.*tensor 'model\."):
                 checkpoint.load(path, state)
         finally:
-            _storage.Storage.read_into = read_into
+            _storage.Storage.read_into, _storage.Storage._open_read = read_into, open_read
         assert _same(_snapshot(state), current)
 
         checkpoint.load(path, state)  # repaired: the saved values, bitwise

@@ -4,7 +4,9 @@ A plain tensor is one box covering the whole tensor. A DTensor's local shard is 
 per tensor dimension with the placements' own ``_split_tensor`` (the same rule DTensor uses to split data), in the
 order DTensor applies them, so any shard-like placement that follows torch's protocol is understood: ``Shard``,
 uneven shards, torch's private ``_StridedShard`` (FSDP2 + TP) and vescale's interleaved placements. A dimension
-whose kept indices are not contiguous (strided, interleaved) yields several boxes.
+whose kept indices are not contiguous (strided, interleaved) yields several boxes. A placement torch cannot split
+(vescale's ragged ZeRO shards, or a user's own) names its boxes itself through the
+:class:`vescale.core.sharded_state.BoxPlacement` protocol (``local_boxes``); this module knows no placement class.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 from vescale.checkpoint.errors import UnsupportedStateError
 from vescale.core import torch_internals
+from vescale.core.errors import VescaleError
+from vescale.core.sharded_state import is_box_placement
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 
@@ -71,9 +75,9 @@ def local_pieces(t: torch.Tensor, key: str) -> list[Piece]:
         return []
     shape = tuple(t.shape)
     local = t.to_local().detach()
-    ragged = [(m, p) for m, p in enumerate(t.placements) if _is_ragged(p)]
-    if ragged:
-        return _ragged_pieces(t, key, ragged, coord)
+    boxed = [(m, p) for m, p in enumerate(t.placements) if is_box_placement(p)]
+    if boxed:
+        return _boxed_pieces(t, key, boxed, coord, local)
     steps = _sharding_steps(t)
     cache_key = (shape, tuple(mesh.shape), tuple(coord), tuple((m, repr(p)) for m, p in steps))
     runs_per_dim = _RUNS.get(cache_key)
@@ -147,56 +151,25 @@ def relative(box: Box, within: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o - w, o - w + n) for o, n, w in zip(box[0], box[1], within))
 
 
-def _is_ragged(placement) -> bool:
-    # vescale.dtensor.RaggedShard (ZeRO flat shards), recognised by its documented interface so that this package
-    # needs no import of vescale.dtensor.
-    return hasattr(placement, "local_range") and hasattr(placement, "local_units") and hasattr(placement, "dims")
-
-
-def _ragged_pieces(t, key: str, ragged: list, coord: list[int]) -> list[Piece]:
-    """Boxes of a DTensor whose leading dims are flattened and split in contiguous, unequal row ranges."""
-    if len(ragged) != 1 or any(not p.is_replicate() for m, p in enumerate(t.placements) if m != ragged[0][0]):
-        raise UnsupportedStateError(f"DTensor {key!r}: placements {t.placements} have a RaggedShard with other "
-                                    "non-Replicate placements, which vescale.checkpoint cannot map to boxes")
-    mesh_dim, placement = ragged[0]
+def _boxed_pieces(t, key: str, boxed: list, coord: list[int], local: torch.Tensor) -> list[Piece]:
+    """Boxes of a DTensor whose one non-Replicate placement names them
+    (:class:`vescale.core.sharded_state.BoxPlacement`)."""
+    if len(boxed) != 1 or any(not p.is_replicate() for m, p in enumerate(t.placements) if m != boxed[0][0]):
+        raise UnsupportedStateError(f"DTensor {key!r}: placements {t.placements} combine a placement that names its "
+                                    "own boxes with other non-Replicate placements, which vescale.checkpoint cannot "
+                                    "map to boxes")
+    mesh_dim, placement = boxed[0]
     shape = tuple(t.shape)
-    k = len(placement.dims)
-    start, end = placement.local_range(shape, coord[mesh_dim])
-    rest = shape[k:]
-    local = t.to_local().detach().reshape(end - start, *rest)
-    return flat_range_pieces(local, start, end, shape[:k], rest)
-
-
-def flat_range_pieces(local: torch.Tensor, start: int, end: int, lead: tuple[int, ...], rest: tuple[int, ...]
-                      ) -> list[Piece]:
-    """Boxes of the row-major range ``[start, end)`` of the flattened ``lead`` dims, with views into ``local``
-    (which holds exactly those rows, shape ``(end - start, *rest)``); trailing ``rest`` dims are whole."""
+    try:
+        boxes = placement.local_boxes(shape, coord[mesh_dim], local)
+    except VescaleError as e:
+        raise UnsupportedStateError(f"DTensor {key!r}: {e}") from e
     pieces = []
-    for offsets, lengths, flat in _flat_boxes(start, end, lead):
-        n = math.prod(lengths)
-        view = local[flat - start: flat - start + n].reshape(*lengths, *rest)
-        pieces.append(Piece(offsets + (0,) * len(rest), lengths + rest, view))
+    for b in boxes:
+        if len(b.offsets) != len(shape) or tuple(b.data.shape) != tuple(b.lengths) or any(
+                o < 0 or o + n > s for o, n, s in zip(b.offsets, b.lengths, shape)):
+            raise UnsupportedStateError(f"DTensor {key!r}: {placement!r} names a box (offsets {b.offsets}, lengths "
+                                        f"{b.lengths}, data of shape {tuple(b.data.shape)}) that does not fit "
+                                        f"global shape {shape}")
+        pieces.append(Piece(tuple(b.offsets), tuple(b.lengths), b.data))
     return [p for p in pieces if p.numel > 0]
-
-
-def _flat_boxes(s: int, e: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """Split the row-major element range ``[s, e)`` of ``shape`` into boxes: (offsets, lengths, flat start)."""
-    if s >= e:
-        return []
-    if len(shape) == 1:
-        return [((s,), (e - s,), s)]
-    inner = math.prod(shape[1:])
-    boxes = []
-    row, last = s // inner, e // inner
-    if s % inner:
-        head_end = min(e, (row + 1) * inner)
-        boxes += [((row, *o), (1, *n), f + row * inner)
-                  for o, n, f in _flat_boxes(s - row * inner, head_end - row * inner, shape[1:])]
-        row += 1
-        if head_end == e:
-            return boxes
-    if last > row:
-        boxes.append(((row,) + (0,) * (len(shape) - 1), (last - row, *shape[1:]), row * inner))
-    if e % inner and last >= row:
-        boxes += [((last, *o), (1, *n), f + last * inner) for o, n, f in _flat_boxes(0, e - last * inner, shape[1:])]
-    return boxes

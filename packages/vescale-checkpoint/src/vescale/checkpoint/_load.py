@@ -6,19 +6,21 @@ the same layout again): every stored shard that anyone needs is read by exactly 
 bytes read so far, largest shards first), checked against all its chunk checksums, and the overlapping sub-boxes
 are sent point to point to the other ranks needing them; reading then proceeds in rounds of bounded size, and a
 damaged shard found by any rank fails the load on every rank. On one host with a local file system each needing
-rank instead reads, with one positional read, just the byte span its parts cover (see
-:mod:`vescale.checkpoint._local_read`), the page cache serving the repeats; each checksum chunk is checked by one of
-the ranks that read it, so the checking is spread and no rank reads bytes only to check them where a rank reading
-them anyway can. A needing rank whose target is exactly the stored shard reads straight into its memory.
+rank instead reads just the byte span its parts cover (see :mod:`vescale.checkpoint._local_read`: whole shards with
+one positional read into the target, other parts copied out of a mapping of the span), the page cache serving the
+repeats; each checksum chunk is checked by one of the ranks
+that read it, so the checking is spread and no rank reads bytes only to check them where a rank reading them
+anyway can.
 
 A checkpoint is untrusted input, and a load that fails changes nothing: rank 0 checks the metadata against its
 schema and the data files' sizes against the storage (:mod:`vescale.checkpoint._schema`) before anything is
 allocated from it; every rank then checks everything it will use (its checksum chunks, the decompression of its
 compressed shards, the values and the state's own constraints) before any target tensor, optimizer state or value
 is written, and the ranks agree on the outcome in one small collective on the checkpoint group (stage, then
-commit). Checking reads the chunks once before the fill reads them again (from the page cache on the local path);
-the read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks
-first and reads again. Any failure raises on every rank, naming the file and the tensor, and leaves every rank's
+commit). On the local path whole shards are read to be checked, then read again (from the page cache) into their
+targets; other parts are checked on a mapping of their span and copied out of it; the read-once path stages
+everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks first and reads again. Any
+failure raises on every rank, naming the file and the tensor, and leaves every rank's
 state bitwise as it was; errors other than corruption (a permission, a failing disk) are agreed on the same way,
 so no rank is left waiting in a collective.
 """
@@ -41,7 +43,14 @@ from vescale.checkpoint._comm import Comm, io_threads
 from vescale.checkpoint._crc import crc32
 from vescale.checkpoint._gc import collector_paused
 from vescale.checkpoint._layout import intersect, relative
-from vescale.checkpoint._local_read import byte_span, check_chunks_read, read_parts, release_buffer
+from vescale.checkpoint._local_read import (
+    MappedShard,
+    byte_span,
+    check_chunks_read,
+    map_parts,
+    read_parts,
+    release_buffer,
+)
 from vescale.checkpoint._reader import chunk_spans, read_metadata, read_shard, shard_nbytes, tensor_dtype
 from vescale.checkpoint._save import wait_pending
 from vescale.checkpoint._save_plan import describe
@@ -355,32 +364,77 @@ class _Failed(Exception):
 def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
                 pool: ThreadPoolExecutor | None) -> None:
     """Every rank reads its own parts of the shards it needs from local files. First each checks its share of the
-    chunks (and decompresses its compressed shards), the ranks agree that all are intact, and only then does each
-    fill its targets (the chunks read again, from the page cache): a damaged shard found by any rank fails the
-    load on every rank with every target unchanged."""
+    chunks (on a mapping of the span where :func:`map_parts` gives one, else read into a buffer) and decompresses
+    its compressed shards, the ranks agree that all are intact, and only then does each fill its targets (copied
+    out of the mapping, or read again from the page cache): a damaged shard found by any rank fails the load on
+    every rank with every target unchanged."""
     mine = [rd for rd in reads if rd.reader == comm.rank]
-    staged, error = _check_reads(mine, storage, saved, verify, pool, keep=True)
-    _agree(comm, error)
+    staged: dict[int, torch.Tensor] = {}  # by id of the read: a decompressed shard
+    mapped: dict[int, MappedShard] = {}   # by id of the read: the mapped span of a raw shard
+
+    def parts(rd: _Read) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        origin = rd.shard["offsets"]
+        out = []
+        for _, j, inter in rd.needs:
+            piece = pieces[rd.key][j]
+            out.append((tuple(o - so for o, so in zip(inter[0], origin)), piece.view[relative(inter, piece.offsets)]))
+        return out
+
+    def check(rd: _Read) -> None:
+        chunks = rd.chunks if verify else []
+        dtype = tensor_dtype(saved[rd.key])
+        try:
+            if rd.shard["codec"] != "raw":
+                staged[id(rd)] = read_shard(storage, rd.shard, dtype, verify=chunks)
+                return
+            m = map_parts(storage, rd.shard, dtype, parts(rd), chunks)
+            if m is None:
+                if chunks:
+                    check_chunks_read(storage, rd.shard, chunks)
+                return
+            mapped[id(rd)] = m
+            m.check(chunks)
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised
+            where = storage.where(rd.shard["file"])
+            raise _Failed(_error_text(exc, f"reading {where} failed") + f" (tensor {rd.key!r})") from exc
 
     def fill(rd: _Read) -> None:
         dtype = tensor_dtype(saved[rd.key])
-        origin = rd.shard["offsets"]
-        parts = []
-        for _, j, inter in rd.needs:
-            piece = pieces[rd.key][j]
-            parts.append((tuple(o - so for o, so in zip(inter[0], origin)), piece.view[relative(inter, piece.offsets)]))
-        if rd.shard["codec"] == "raw":
-            read_parts(storage, rd.shard, dtype, parts, [])
-            return
-        data = staged[id(rd)]
-        for offs, target in parts:
-            target.copy_(data[tuple(slice(o, o + n) for o, n in zip(offs, target.shape))])
+        if id(rd) in mapped:
+            mapped[id(rd)].fill(dtype, parts(rd))
+        elif rd.shard["codec"] == "raw":
+            read_parts(storage, rd.shard, dtype, parts(rd), [])
+        else:
+            data = staged[id(rd)]
+            for offs, target in parts(rd):
+                target.copy_(data[tuple(slice(o, o + n) for o, n in zip(offs, target.shape))])
 
     try:
-        for _ in (pool.map if pool else map)(fill, mine):
-            pass
+        try:
+            failures = _run_all(check, mine, pool)
+        finally:
+            release_buffer()
+        _agree(comm, str(failures[0]) if failures else None)
+        failures = _run_all(fill, mine, pool)
+        if failures:
+            raise failures[0]
     finally:
         release_buffer()
+        for m in mapped.values():
+            m.close()
+
+
+def _run_all(fn, items: list, pool: ThreadPoolExecutor | None) -> list[BaseException]:
+    """Run ``fn`` on every item (on ``pool`` when given) until all have finished, even after some raised (no task
+    may still use a mapping when it is closed); the exceptions raised, in the order of ``items``."""
+    def run(item) -> BaseException | None:
+        try:
+            fn(item)
+        except Exception as exc:  # noqa: BLE001 - returned to the caller, which raises or agrees on it
+            return exc
+        return None
+
+    return [exc for exc in (pool.map if pool else map)(run, items) if exc is not None]
 
 
 def _read_once(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,

@@ -4,6 +4,11 @@ Each box becomes a :class:`Job` reading from the local piece. ``stage`` gives ev
 reused host buffer (pinned when on GPU) and copies the jobs that must be copied before ``save`` returns; the jobs of
 tensors only an optimizer step changes in place carry their version counters and are copied later, in the background
 (:func:`copy_deferred`), which fails if one of them was changed in place first.
+
+On GPU every device-to-host copy is issued from the copying thread on its current stream (the caller's, or the
+background copy's side stream, which first waits for an event recorded on the caller's stream), never from I/O pool
+threads (whose current stream is the default one), and an event recorded after them is waited on before a job's
+slot is handed to the writer: every copy is ordered before its write and checksum, whatever ``threads`` is.
 """
 
 from __future__ import annotations
@@ -111,25 +116,41 @@ def stage(plan: WritePlan, jobs: list[Job], threads: int = 1) -> tuple[list[Job]
 
 
 def _copy(pairs: list[tuple[Job, torch.Tensor]], threads: int) -> None:
-    """Copy each job's source into its host slot (slices of at most ``_COPY_SLICE`` bytes shared among ``threads``
-    threads when there are several), then point the job at the slot."""
-    copies = []
+    """Copy each job's source into its host slot, then point the job at the slot; returns once every copy is done.
+
+    Host sources are copied by ``threads`` threads when there are several (in slices of at most ``_COPY_SLICE``
+    bytes). Device sources are copied from the calling thread, on its current stream of each device (so after all
+    the work queued there, and on ``copy_deferred``'s side stream after the event it waits for): a pool thread's
+    current stream would be the default stream, which neither waits for that event nor is the stream synchronised
+    below. An event recorded per device after its copies is waited on before any slot is handed to the writer and
+    checksummed (copies into pinned memory are asynchronous).
+    """
+    host, device = [], []
     for job, dst in pairs:
+        if job.source.is_cuda:
+            device.append((dst, job.source))
+            continue
         nbytes = dst.numel() * dst.element_size()
-        if threads > 1 and job.source.is_contiguous() and nbytes > _COPY_SLICE and not job.source.is_cuda:
+        if threads > 1 and job.source.is_contiguous() and nbytes > _COPY_SLICE:
             flat_dst, flat_src = dst.reshape(-1), job.source.reshape(-1)
             step = max(1, _COPY_SLICE // job.source.element_size())
-            copies += [(flat_dst[lo:lo + step], flat_src[lo:lo + step]) for lo in range(0, flat_dst.numel(), step)]
+            host += [(flat_dst[lo:lo + step], flat_src[lo:lo + step]) for lo in range(0, flat_dst.numel(), step)]
         else:
-            copies.append((dst, job.source))
-    if threads > 1 and len(copies) > 1:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda c: c[0].copy_(c[1], non_blocking=True), copies))
-    else:
-        for dst, src in copies:
+            host.append((dst, job.source))
+    done = []
+    if device:
+        for dst, src in device:
             dst.copy_(src, non_blocking=True)
-    for device in {job.source.device for job, _ in pairs if job.source.is_cuda}:  # copies to pinned memory are
-        torch.cuda.current_stream(device).synchronize()  # asynchronous: wait for them
+        for dev in {src.device for _, src in device}:
+            done.append(torch.cuda.current_stream(dev).record_event())
+    if threads > 1 and len(host) > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda c: c[0].copy_(c[1]), host))
+    else:
+        for dst, src in host:
+            dst.copy_(src)
+    for event in done:
+        event.synchronize()
     for job, dst in pairs:
         job.source = dst
 

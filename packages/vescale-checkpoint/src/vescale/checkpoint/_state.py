@@ -8,10 +8,16 @@ object with ``state_dict()``/``load_state_dict()``. Keys:
   a rank holds, which keep the whole model's FQNs) shares one FQN space, so any stage split loads any other
 - optimizer under ``"optim"``: ``optim.state.<param fqn>.<state name>`` and ``optim.param_groups.<param fqn>``
   (that parameter's group hyperparameters), parameters named by the modules found in the same state
-- vescale ``DistributedOptimizer`` (ZeRO 1/2, flat ragged shards): the same keys as a torch optimizer, each rank's
-  flat piece mapped to boxes of the global parameter (plus ``optim.master.<fqn>`` for fp32 masters), so ZeRO and
-  plain optimizer checkpoints load into each other at any dp size
+- an object implementing :class:`vescale.core.sharded_state.ShardedStateful` (``sharded_state_dict()`` /
+  ``load_sharded_state_dict()``; vescale's ZeRO ``DistributedOptimizer`` does, giving a torch optimizer's keys, so
+  ZeRO and plain optimizer checkpoints load into each other at any dp size): its sharded state dict flattened under
+  its key, each :class:`~vescale.core.sharded_state.ShardedTensor` saved as the boxes it holds; a
+  ``ShardedTensor`` may also stand anywhere in the state by itself
 - other objects: their ``state_dict()`` flattened under their key; nested dicts join keys with dots.
+
+Modules are named by their own ``state_dict`` keys (a wrapper whose ``state_dict`` is its inner module's, such as
+vescale's DDP, needs no unwrapping); torch's DDP and ``torch.compile`` wrappers are unwrapped. Nothing here knows
+vescale's other packages: their objects are seen only through the protocol of :mod:`vescale.core.sharded_state`.
 
 Loading fills tensors in place; values are assigned back into their containers (a dict or list value is updated in
 place, so a caller's reference sees the loaded content); stateful objects then get
@@ -21,6 +27,7 @@ differs from the checkpoint's is replaced by a new tensor instead (data loader o
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from vescale.checkpoint._layout import Piece, flat_range_pieces, is_dtensor, local_pieces
+from vescale.checkpoint._layout import Piece, is_dtensor
 from vescale.checkpoint.errors import UnsupportedStateError
 from vescale.core import torch_internals
+from vescale.core.sharded_state import ShardedStateError, ShardedTensor, init_optimizer_state, is_sharded_stateful
 
 
 @dataclass
@@ -38,7 +46,7 @@ class Flat:
     """A flattened state: tensors to save or fill, values with setters, and calls to make after a load."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: tensors held as explicit boxes (ZeRO flat shards): key -> (global shape, dtype, pieces)
+    #: tensors held as explicit boxes (a ShardedTensor): key -> (global shape, dtype, pieces)
     boxes: dict[str, tuple[list[int], torch.dtype, list[Piece]]] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     setters: dict[str, Callable[[Any], None]] = field(default_factory=dict)
@@ -82,13 +90,13 @@ def _join(prefix: str, key: Any) -> str:
 
 
 def unwrap_module(m: nn.Module) -> nn.Module:
-    """The module whose FQNs are the model's own: strips DDP's ``module.`` and torch.compile's ``_orig_mod.``."""
+    """The module whose FQNs are the model's own: strips torch DDP's ``module.`` and torch.compile's ``_orig_mod.``
+    (other wrappers are named through their ``state_dict`` keys, see :func:`_named_state`)."""
     from torch.nn.parallel import DistributedDataParallel
 
     while True:
-        if isinstance(m, DistributedDataParallel) or (type(m).__name__ == "DistributedDataParallel"
-                                                      and isinstance(getattr(m, "module", None), nn.Module)):
-            m = m.module  # torch's DDP, or vescale.parallel's
+        if isinstance(m, DistributedDataParallel):
+            m = m.module
         elif torch_internals.compiled_original(m) is not None:
             m = torch_internals.compiled_original(m)
         else:
@@ -99,8 +107,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def _named_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``m.state_dict()`` and its parameters by the FQN it stores them under (first name of a tied parameter)."""
+    try:
+        kept = m.state_dict(keep_vars=True)
+    except TypeError:  # a state_dict override without keep_vars: fall back to the parameters' module names
+        return m.state_dict(), dict(m.named_parameters())
+    params, seen = {}, set()
+    for name, t in kept.items():
+        if isinstance(t, nn.Parameter) and id(t) not in seen:
+            seen.add(id(t))
+            params[name] = t
+    sd = OrderedDict((k, t.detach() if isinstance(t, torch.Tensor) else t) for k, t in kept.items())
+    metadata = getattr(kept, "_metadata", None)
+    if metadata is not None:  # load_state_dict reads the modules' versions from it
+        sd._metadata = metadata
+    return sd, params
+
+
 def _has_tensors(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor) or _is_stateful(obj):
+    if isinstance(obj, (torch.Tensor, ShardedTensor)) or _is_stateful(obj) or is_sharded_stateful(obj):
         return True
     if isinstance(obj, dict):
         return any(_has_tensors(v) for v in obj.values())
@@ -111,32 +137,6 @@ def _has_tensors(obj: Any) -> bool:
 
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """Create an optimizer's lazily-built state with one step at learning rate 0 on zero gradients.
-
-    Parameters are unchanged (lr 0), gradients are restored to None, and the state tensors get the right shapes,
-    dtypes and placements to be filled by a load.
-    """
-    saved_lrs = []
-    touched = []
-    for group in opt.param_groups:
-        saved_lrs.append(group.get("lr"))
-        if "lr" in group:
-            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
-        for p in group["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-                touched.append(p)
-    try:
-        opt.step()
-    finally:
-        for group, lr in zip(opt.param_groups, saved_lrs):
-            if lr is not None:
-                group["lr"] = lr
-        for p in touched:
-            p.grad = None
 
 
 def _hparams(group: dict) -> dict[str, Any]:
@@ -161,23 +161,26 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
                                     f"got {type(state).__name__}")
     flat = Flat()
     param_names: dict[int, str] = {}
-    params_by_name: dict[str, torch.Tensor] = {}
+    named: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # id(module) -> _named_state(module)
     for value in state.values():
         for m in (value if _is_module_list(value) else [value] if isinstance(value, nn.Module) else []):
-            for name, p in unwrap_module(m).named_parameters():
+            m = unwrap_module(m)
+            named[id(m)] = _named_state(m)
+            for name, p in named[id(m)][1].items():
                 param_names.setdefault(id(p), name)
-                params_by_name.setdefault(name, p)
 
     def walk(key: str, obj: Any, setter: Callable[[Any], None], replaceable: bool = False) -> None:
-        if isinstance(obj, nn.Module):
+        if isinstance(obj, ShardedTensor):
+            sharded_tensor(key, obj)
+        elif is_sharded_stateful(obj):
+            sharded(key, obj)
+        elif isinstance(obj, nn.Module):
             module(key, unwrap_module(obj))
         elif _is_module_list(obj):  # pipeline stages of one model on this rank: one FQN space
             for m in obj:
                 module(key, unwrap_module(m))
         elif isinstance(obj, torch.optim.Optimizer):
             optimizer(key, obj)
-        elif _is_zero_optimizer(obj):
-            zero_optimizer(key, obj)
         elif isinstance(obj, torch.Tensor):
             flat.add_tensor(key, obj)
             if replaceable and not is_dtensor(obj):
@@ -206,8 +209,8 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
                 flat.fixed[_join(key, k)] = v
 
     def module(key: str, m: nn.Module) -> None:
-        sd = m.state_dict()
-        trainable = {name for name, p in m.named_parameters() if p.requires_grad}
+        sd, params = named.pop(id(m), None) or _named_state(m)
+        trainable = {name for name, p in params.items() if p.requires_grad}
         for name, t in sd.items():
             flat.add_tensor(_join(key, name), t)
             if name in trainable:
@@ -234,44 +237,24 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
                     else:
                         flat.add_value(skey, sval, lambda v, st=opt.state[p], s=sname: st.__setitem__(s, v))
 
-    def zero_optimizer(key: str, opt: Any) -> None:
-        if not opt.optimizer.state and init_optimizer is not None and init_optimizer(key):
-            init_optimizer_state(opt.optimizer)
-        sd = opt.state_dict()
-        dp_rank = sd["dp_rank"]
-        named = dict(params_by_name)
-        if isinstance(getattr(opt, "ddp", None), nn.Module):
-            named.update(unwrap_module(opt.ddp).named_parameters())
-        hparams = {fqn: g for g in sd["param_groups"] for fqn in g["params"]}
-        for fqn, info in sd["shards"].items():
-            if fqn in hparams:
-                flat.add_value(_join(key, f"param_groups.{fqn}"), _hparams(hparams[fqn]),
-                               lambda v, g=hparams[fqn]: _set_hparams(g, v))
-            param = named.get(fqn)
-            if param is None:
-                raise UnsupportedStateError(f"optimizer {key!r} holds parameter {fqn!r}, which no module in the "
-                                            "state has")
-            tp = local_pieces(param.detach(), fqn)
-            if len(tp) != 1 or list(tp[0].lengths) != list(info["local_shape"]):
-                raise UnsupportedStateError(f"optimizer {key!r}: parameter {fqn!r} (placements "
-                                            f"{getattr(param, 'placements', None)}) is not one box of local shape "
-                                            f"{info['local_shape']}; cannot map its ZeRO shard")
-            lo, hi = info["ranges"][dp_rank]
-            entries = dict(sd["state"].get(fqn, {}))
-            for sname, sval in entries.items():
-                skey = _join(key, f"master.{fqn}" if sname == "master" else f"state.{fqn}.{sname}")
-                if isinstance(sval, torch.Tensor) and sval.dim() == 1 and sval.numel() == hi - lo and hi > lo:
-                    pieces = flat_range_pieces(sval, lo, hi, tuple(info["local_shape"]), ())
-                    for piece in pieces:  # TP-local box -> global box
-                        piece.offsets = tuple(o + t for o, t in zip(piece.offsets, tp[0].offsets))
-                    flat.add_boxes(skey, list(param.shape), sval.dtype, pieces)
-                    flat.stepped.add(skey)
-                elif isinstance(sval, torch.Tensor):
-                    flat.add_tensor(skey, sval)
-                    flat.stepped.add(skey)
-                else:
-                    flat.add_value(skey, sval, lambda v, e=sd["state"][fqn], s=sname: e.__setitem__(s, v))
-        flat.finalizers.append(lambda opt=opt, sd=sd: opt.load_state_dict(sd))
+    def sharded_tensor(key: str, st: ShardedTensor) -> None:
+        flat.add_boxes(key, list(st.global_shape), st.dtype, [Piece(b.offsets, b.lengths, b.data) for b in st.boxes])
+        if st.updated_by_step:
+            flat.stepped.add(key)
+
+    def sharded(key: str, obj: Any) -> None:
+        init = getattr(obj, "init_sharded_state", None)
+        if callable(init) and init_optimizer is not None and init_optimizer(key):
+            init()
+        try:
+            sd = obj.sharded_state_dict()
+        except ShardedStateError as e:
+            raise UnsupportedStateError(f"{key!r}: {e}") from e
+        if not isinstance(sd, dict):
+            raise UnsupportedStateError(f"{key!r}: sharded_state_dict() of {type(obj).__name__} returned a "
+                                        f"{type(sd).__name__}, not a dict")
+        walk_children(key, sd)
+        flat.finalizers.append(lambda obj=obj, sd=sd: obj.load_sharded_state_dict(sd))
 
     for k, v in state.items():
         walk(str(k), v, lambda new, k=k: state.__setitem__(k, new))
@@ -291,10 +274,3 @@ def _assign(old: Any, new: Any, setter: Callable[[Any], None]) -> None:
 
 def _is_module_list(obj: Any) -> bool:
     return isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(m, nn.Module) for m in obj)
-
-
-def _is_zero_optimizer(obj: Any) -> bool:
-    """vescale.parallel.DistributedOptimizer (ZeRO 1/2), recognised by its state-dict format, without importing it."""
-    fmt = getattr(type(obj), "__module__", "")
-    return (fmt.startswith("vescale.parallel") and type(obj).__name__ == "DistributedOptimizer"
-            and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer))

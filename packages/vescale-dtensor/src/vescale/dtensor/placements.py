@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 # PyTorch's private ``_StridedShard`` computes exactly the interleaved layout (split the dim into ``split_factor``
 # chunks, shard each chunk over the mesh dim).
+from vescale.core.sharded_state import Box, flat_range_boxes
 from vescale.core.torch_internals import StridedShard as _StridedShard
 from vescale.core.torch_internals import split_factor as _split_factor
 from vescale.dtensor.errors import PlacementError
@@ -124,6 +125,26 @@ class RaggedShard(Placement):
         """Shape of the local piece at mesh-dim ``coordinate`` for a tensor of global ``shape``."""
         start, end = self.local_range(shape, coordinate)
         return (end - start, *tuple(shape)[len(self.dims):])
+
+    def local_boxes(self, global_shape: Sequence[int], coordinate: int, local) -> list[Box]:
+        """The boxes of the global tensor that the local tensor ``local`` at ``coordinate`` holds, as
+        :class:`vescale.core.sharded_state.Box` es whose ``data`` are views of ``local`` (the
+        :class:`~vescale.core.sharded_state.BoxPlacement` protocol, through which a checkpoint reads and loads ragged
+        DTensors): the row range of the flattened ``dims`` split into at most ``2 * len(dims) - 1`` boxes, the
+        trailing dims whole. Empty boxes are left out."""
+        shape = tuple(int(s) for s in global_shape)
+        k = len(self.dims)
+        start, end = self.local_range(shape, coordinate)
+        rest = shape[k:]
+        if tuple(local.shape) != (end - start, *rest):
+            raise PlacementError(f"{self!r} at coordinate {coordinate} of global shape {shape}: local tensor of shape "
+                                 f"{tuple(local.shape)}, expected {(end - start, *rest)}")
+        boxes = []
+        for offsets, lengths, flat in flat_range_boxes(start, end, shape[:k]):
+            n = math.prod(lengths)
+            data = local[flat - start:flat - start + n].view(*lengths, *rest)
+            boxes.append(Box(offsets + (0,) * len(rest), lengths + rest, data))
+        return [b for b in boxes if b.numel > 0]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RaggedShard) and (self.dims, self.local_units) == (other.dims, other.local_units)
