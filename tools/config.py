@@ -124,19 +124,18 @@ def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
     cp = cfg.dims.get("cp", 1)
     if cp == 1:
         return []
-    problems = []
-    if cfg.model in models.MODEL_SIZES:
-        problems.append(f"--mesh {cfg.mesh}: context parallelism (cp) runs Hugging Face models (--model "
-                        f"{' / '.join(sorted(models.HF_MODELS))} or a model directory); the built-in {cfg.model} "
-                        f"computes its attention by hand and takes no positions")
+    problems = []  # (the built-in GPTs run through their causal_attention hook, transformers models as they are)
     if cfg.seq_len % (2 * cp):
         problems.append(f"--seq-len {cfg.seq_len} is not divisible by 2 x cp = {2 * cp} (each sequence is cut into "
                         f"2 x cp chunks, a head and a tail per cp rank)")
-    other = sorted(set(cfg.dims) - {"dp", "cp", "tp"})
+    other = sorted(set(cfg.dims) - {"pp", "dp", "cp", "tp"})
     if other or cfg.zero == 3 or cfg.compile or cfg.eval_every or cfg.sample_every:
-        problems.append(f"--mesh {cfg.mesh}: cp composes with dp and tp (ZeRO 0-2, bf16, --grad-accum, activation "
-                        f"checkpointing) in train.py; not with {', '.join(other) or 'pp/ep/HSDP'}, --zero 3, "
+        problems.append(f"--mesh {cfg.mesh}: cp composes with pp, dp and tp (ZeRO 0-2, bf16, --grad-accum, activation "
+                        f"checkpointing) in train.py; not with {', '.join(other) or 'ep/HSDP'}, --zero 3, "
                         f"--compile, --eval-every or --sample-every")
+    if cfg.dims.get("pp", 1) > 1 and (cfg.dims.get("tp", 1) > 1 or cfg.model not in models.MODEL_SIZES):
+        problems.append(f"--mesh {cfg.mesh}: pp x cp runs the built-in GPTs ({' / '.join(sorted(models.MODEL_SIZES))}) "
+                        f"without tp (a tp-sharded captured stage would hand the cp attention operator DTensors)")
     return problems
 
 
@@ -155,14 +154,15 @@ def _precision_and_sharding_problems(cfg: TrainConfig, pp: int) -> list[str]:
     elif hsdp and cfg.zero != 3:
         problems.append(f"--mesh {cfg.mesh} is an HSDP mesh ({' x '.join(HSDP_DIMS)}): it needs --zero 3 (for ZeRO "
                         f"{cfg.zero} name one dp={dims[HSDP_DIMS[0]] * dims[HSDP_DIMS[1]]} instead)")
-    if cfg.zero == 3 and pp > 1:
-        problems.append("--zero 3 with pp > 1 is not supported: vescale's PipeEngine runs captured stages and has no "
-                        "FSDP2 unshard/reshard actions (parameters would be gathered per microbatch); use --zero 1 "
-                        "or 2 with pp")
-    if cfg.dtype != "fp32" and pp > 1:
-        problems.append(f"--dtype {cfg.dtype} with pp > 1 is not supported yet: the pipeline split captures the model "
-                        "(torch.export) in fp32 before its stages are materialised, so the stage graphs would mix "
-                        "dtypes")
+    if cfg.zero == 3 and pp > 1 and cfg.schedule in ("zb_h1", "zbv"):  # (the built-ins with BI / BW actions)
+        problems.append(f"--zero 3 with --schedule {cfg.schedule} is not supported: FSDP2 reduce-scatters a stage's "
+                        "gradients in autograd hooks that a split backward (BI / BW) does not reach; use gpipe, 1f1b "
+                        "or interleaved_1f1b, or --zero 1 or 2")
+    if cfg.dtype != "fp32" and pp > 1 and cfg.zero == 3:
+        problems.append(f"--dtype {cfg.dtype} with pp > 1 and --zero 3 is not supported yet: the pipeline split "
+                        "captures the model (torch.export) in fp32 for FSDP2's fp32 shards, while FSDP2 computes in "
+                        f"{cfg.dtype}, so the stage graphs would mix dtypes; use --zero 0, 1 or 2 with pp (the model "
+                        f"is cast to {cfg.dtype} before the split)")
     return problems
 
 
@@ -260,10 +260,15 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
         p.error(f"--mesh {cfg.mesh}: dimension(s) {unsupported} are not supported by train.py (use pp, dp, cp, tp, "
                 f"ep; HSDP: {', '.join(HSDP_DIMS)} instead of dp)")
     ep = cfg.dims.get("ep", 1)
-    if ep > 1 and (set(cfg.dims) - {"ep", "tp"} or cfg.zero or cfg.dtype != "fp32" or cfg.compile
-                   or cfg.grad_accum != 1 or cfg.activation_checkpointing != "none" or cfg.batch_size % ep
-                   or cfg.eval_every or cfg.sample_every):
-        p.error(f"--mesh {cfg.mesh}: expert parallelism (ep) runs with ep and tp only, fp32, without --zero, "
+    if ep > 1 and (set(cfg.dims) - {"dp", "ep", "tp"} or cfg.zero == 3 or cfg.dtype != "fp32" or cfg.compile
+                   or cfg.grad_accum != 1 or cfg.activation_checkpointing != "none"
+                   or cfg.batch_size % (ep * cfg.dims.get("dp", 1)) or cfg.eval_every or cfg.sample_every):
+        p.error(f"--mesh {cfg.mesh}: expert parallelism (ep) runs with dp, ep and tp only, fp32, without --zero 3, "
                 f"--compile, --grad-accum, --activation-checkpointing, --eval-every or --sample-every, and "
-                f"--batch-size divisible by ep={ep}")
+                f"--batch-size divisible by dp x ep={ep * cfg.dims.get('dp', 1)}")
+    if ep > 1 and cfg.zero and (cfg.ckpt_every or cfg.resume):
+        # ZeRO shards the dense parameters' optimizer state over dp x ep, which the checkpoint's ZeRO adapter
+        # (indexing a shard's ranges by the dp rank) does not map yet: refuse rather than save wrong boxes
+        p.error(f"--mesh {cfg.mesh} --zero {cfg.zero}: an expert-parallel run's ZeRO state cannot be checkpointed "
+                f"yet (--ckpt-every / --resume); use --zero 0")
     return cfg

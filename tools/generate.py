@@ -3,6 +3,7 @@
     python tools/generate.py --model DIR --mesh tp=2 --prompt "Once upon a time" --max-new-tokens 64
     python tools/generate.py --model DIR --mesh dp=2,tp=2 --prompt "a" --prompt "b" --do-sample --seed 3 --top-p 0.9
     python tools/generate.py --model DIR --token-ids 1,5,9 --token-ids 1,7   # a directory without a tokenizer
+    python tools/generate.py --model DIR --mesh tp=2 --prompt "a" --compile   # torch.compile'd decode step
     torchrun --nproc-per-node 4 tools/generate.py --model DIR --mesh dp=2,tp=2 --prompt ...   # joins its ranks
 
 ``DIR`` is a ``save_pretrained`` directory: ``config.json`` plus ``model.safetensors`` (or sharded safetensors with
@@ -11,7 +12,9 @@
 ``vescale.plan.auto_plan``) and filled by ``vescale.checkpoint.import_hf``: each rank opens the safetensors files
 memory-mapped and copies only the boxes of its own shards, so the pages it touches are those of its slices (a
 row-sharded weight is one contiguous range; a column-sharded one a strided range of every row). No rank ever holds a
-whole sharded weight.
+whole sharded weight. A model with fewer key/value heads than tp ranks (GQA/MQA) is planned by ``auto_plan``
+(``k_proj``/``v_proj`` replicated) and each rank's KV cache keeps only the kv head its query heads read
+(``vescale.parallel.replicate_kv_heads``).
 
 All prompts are tokenized together, left-padded to one length, and split into ``dp`` contiguous groups: each dp group
 generates its own rows (``model.generate`` of the parallelized model). Greedy output is what one device's
@@ -64,6 +67,7 @@ class GenerateConfig:
     top_k: int | None = None
     top_p: float | None = None
     static_cache: bool = False
+    compile: bool = False
     plan: str = "hand"
     dtype: str = "float32"
     quiet: bool = False
@@ -90,11 +94,15 @@ def parse_args(argv: list[str] | None) -> GenerateConfig:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--static-cache", action="store_true", help="a StaticCache (preallocated, sharded by heads)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (implies --static-cache): HF generate's own compiled forward, "
+                        "inductor, static shapes")
     p.add_argument("--plan", default=d.plan, choices=["hand", "auto"],
                    help="hand: vescale.parallel.PLANS by model_type (auto_plan for other families); auto: auto_plan")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quiet", action="store_true", help="no streaming and no completions; only the JSON summary")
     cfg = GenerateConfig(**vars(p.parse_args(argv)))
+    cfg.static_cache = cfg.static_cache or cfg.compile  # a compiled decode step needs a static (fixed-shape) cache
     try:
         cfg.dims = parse_mesh_spec(cfg.mesh)
     except ValueError as exc:
@@ -122,9 +130,9 @@ def check(cfg: GenerateConfig) -> None:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads and heads % tp:
         problems.append(f"{config.model_type}: {heads} attention heads are not divisible by tp={tp}")
-    if kv_heads and kv_heads % tp:
-        problems.append(f"{config.model_type}: {kv_heads} key/value heads are not divisible by tp={tp} (GQA/MQA with "
-                        f"fewer kv heads than tp ranks is not supported: the plans shard k/v by heads)")
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        problems.append(f"{config.model_type}: num_key_value_heads={kv_heads} and tp={tp}: the kv heads neither divide "
+                        f"over the tp ranks nor replicate over them (tp must be a multiple of num_key_value_heads)")
     if cfg.prompt and cfg.token_ids:
         problems.append("give --prompt or --token-ids, not both")
     n = len(cfg.prompt) + len(cfg.token_ids)
@@ -142,6 +150,9 @@ def check(cfg: GenerateConfig) -> None:
             continue
         if bad:
             problems.append(f"--token-ids {ids!r}: ids {bad} outside the vocabulary [0, {config.vocab_size})")
+    if cfg.compile and kv_heads and kv_heads < tp:
+        problems.append(f"--compile with num_key_value_heads={kv_heads} fewer than tp={tp}: not supported (the kv-head "
+                        f"replication wraps the cache in Python hooks, which have not been run under torch.compile)")
     if cfg.max_new_tokens < 1:
         problems.append(f"--max-new-tokens {cfg.max_new_tokens}: must be at least 1")
     if problems:
@@ -214,17 +225,47 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def kv_replicated(cfg: GenerateConfig) -> bool:
+    """Whether the model has fewer key/value heads than tp ranks (GQA/MQA): they are then replicated over the ranks
+    that share them (:mod:`vescale.parallel.kv_replicas`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.model)
+    kv = getattr(config, "num_key_value_heads", None)
+    return bool(kv) and kv < cfg.dims.get("tp", 1)
+
+
+def plan_for(cfg: GenerateConfig) -> str:
+    """``auto`` for fewer kv heads than tp ranks (``auto_plan`` replicates k/v there; the loader's hand plans split
+    them inside a head, which is correct but replicates the cache), else ``--plan``."""
+    return "auto" if kv_replicated(cfg) else cfg.plan
+
+
+def compile_config():
+    """HF ``generate``'s compiled decode step on any device: its forward is ``torch.compile``d (inductor, static
+    shapes, ``mode="default"``: the default ``reduce-overhead`` captures CUDA graphs) and called for every decode step
+    after the eager prefill. ``_compile_all_devices`` is transformers' switch for compiling off CUDA/XPU (a
+    transformers attribute, not torch's)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+    config._compile_all_devices = True
+    return config
+
+
 def generate(cfg: GenerateConfig) -> dict:
     """Run on this rank (the default process group is initialised); rank 0 returns the summary."""
     from vescale.core.mesh import init_mesh, sub_mesh
+    from vescale.parallel import replicate_kv_heads
 
     rank = dist.get_rank()
     dp, tp = cfg.dims.get("dp", 1), cfg.dims.get("tp", 1)
     mesh = init_mesh({"dp": dp, "tp": tp} if dp > 1 else {"tp": tp})
     dp_rank = mesh.get_local_rank("dp") if dp > 1 else 0
     t0 = time.perf_counter()
-    model, config = load_sharded(cfg.model, mesh, cfg.plan, getattr(torch, cfg.dtype))
+    model, config = load_sharded(cfg.model, mesh, plan_for(cfg), getattr(torch, cfg.dtype))
     load_s = time.perf_counter() - t0
+    replicate_kv_heads(model, mesh)  # kv heads fewer than tp: each rank's cache keeps only the kv head it reads
     tokenizer = None
     if has_tokenizer(Path(cfg.model)):
         from transformers import AutoTokenizer
@@ -240,6 +281,8 @@ def generate(cfg: GenerateConfig) -> dict:
         kwargs.update(temperature=cfg.temperature, top_k=cfg.top_k or 0, top_p=cfg.top_p or 1.0)
     if cfg.static_cache:
         kwargs["cache_implementation"] = "static"
+    if cfg.compile:
+        kwargs["compile_config"] = compile_config()
     torch.manual_seed(cfg.seed)
     with torch.no_grad():
         out = model.generate(input_ids=ids[mine], attention_mask=mask[mine], **kwargs)
@@ -269,7 +312,10 @@ def generate(cfg: GenerateConfig) -> dict:
     return {
         "model": cfg.model, "model_type": config.model_type, "mesh": cfg.dims, "prompts": ids.shape[0],
         "max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample, "seed": cfg.seed,
-        "static_cache": cfg.static_cache, "tokens": tokens, "texts": texts,
+        "static_cache": cfg.static_cache, "compile": cfg.compile,
+        # HF keeps its compiled forward here once generate() has used it for a decode step
+        "compiled_decode": hasattr(model, "_compiled_call"), "tokens": tokens, "texts": texts, "plan": plan_for(cfg),
+        "kv_heads_replicated": kv_replicated(cfg),
         # not the rows of one device's whole-batch run: said in the output, never silently different
         "sampling_stream": ("one seeded stream per dp group: each group's tokens are one device's generate() of that "
                             "group's prompts") if cfg.do_sample and dp > 1 else None,

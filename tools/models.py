@@ -91,13 +91,19 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.wo(self.causal_attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[B, H, T, D]``: causal self-attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, T, D]``. The hook
+        ``vescale.parallel.context_parallel`` replaces on each instance to attend across a cp-sharded sequence."""
+        t = q.shape[2]
         if self.n_head > self.n_kv_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         att = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        return self.wo((att @ v).transpose(1, 2).reshape(b, t, -1))
+        return att @ v
 
 
 class MLP(nn.Module):
@@ -150,11 +156,15 @@ class GPT(nn.Module):
                 std = cfg.init_std / math.sqrt(2 * cfg.n_layer) if id(module) in residual else cfg.init_std
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the global positions of the tokens (int ``[T]``, default ``0 .. T-1``), for the rotary
+        tables; context parallelism passes each rank's (``vescale.parallel.context_parallel``)."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
-        freqs = torch.outer(torch.arange(t, device=tokens.device, dtype=torch.float32), self.inv_freq.to(tokens.device))
+        pos = (torch.arange(t, device=tokens.device, dtype=torch.float32) if positions is None
+               else positions.to(device=tokens.device, dtype=torch.float32))
+        freqs = torch.outer(pos, self.inv_freq.to(tokens.device))
         angles = torch.cat((freqs, freqs), dim=-1)
         x = self.embed(tokens)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # (a bf16 model computes in bf16 throughout)

@@ -83,6 +83,20 @@ def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     return deferred_init(models.create, cfg.model)
 
 
+def cast_model(model: nn.Module, cfg: TrainConfig) -> None:
+    """``--dtype bf16`` with ZeRO 0-2: ``model``'s floating-point parameters and buffers to bf16, in place, before
+    anything splits, shards or wraps it; DDP's fp32 buffer and ``DistributedOptimizer``'s fp32 masters keep the
+    gradient reduction and the update in fp32. A deferred model records the cast
+    (``vescale.dtensor.record_deferred``): each rank casts only what it materialises, bitwise the one-device fp32
+    init cast to bf16; a pipeline split is captured in bf16, as its stages run; and no tp DTensor parameter is
+    swapped by a ``module.to()`` after ``parallelize_module``. Pretrained weights are cast as they load."""
+    from vescale.dtensor import is_deferred, record_deferred
+
+    dtype = getattr(torch, DTYPES[cfg.dtype])
+    with record_deferred(model) if is_deferred(model) else contextlib.nullcontext():
+        model.to(dtype)
+
+
 def apply_tp(model: nn.Module, tp_mesh, cfg: TrainConfig) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` by its family's hand plan; a deferred model goes straight into its shards."""
     from vescale.parallel import parallelize_module
@@ -93,45 +107,58 @@ def apply_tp(model: nn.Module, tp_mesh, cfg: TrainConfig) -> nn.Module:
 
 def ep_trainer(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole_bytes: int, flops: int,
                t0: float) -> Trainer:
-    """``--mesh ep=E[,tp=T]``: the experts over ep (``vescale.parallel.parallelize_experts``), attention and each
-    expert's FFN by the family's tp plan when tp > 1. Each ep rank runs 1/ep of the rows it is given; the step's
-    loss is the mean over all of them and so are the gradients (each rank backpropagates its share, loss / ep)."""
-    from vescale.parallel import parallelize_experts
+    """``--mesh [dp=D,]ep=E[,tp=T]``: the experts over ep (``vescale.parallel.parallelize_experts`` on the ep[,tp]
+    sub-mesh), attention and each expert's FFN by the family's tp plan when tp > 1. Each ep rank runs 1/ep of the
+    rows it is given; the step's loss is the mean over all of them and so are the gradients (each rank backpropagates
+    its share, loss / ep). With dp (or ZeRO 1/2, which add dp=1): ``DistributedDataParallel(data_dims=("ep",))``
+    reduces the dense parameters' gradients over dp x ep and the experts' over dp, bucketed; ZeRO shards each over
+    those ranks."""
+    from vescale.parallel import DistributedDataParallel, parallelize_experts
     from vescale.pipe.timeline import span
     from vescale.plan import language_model_loss
 
     ep, tp = dim_size(mesh, "ep"), dim_size(mesh, "tp")
-    log(cfg, f"ep={ep}: {cfg.model}'s experts over ep" + (f", tp={tp} by its hand plan" if tp > 1 else ""))
-    plan = models.tp_plan(cfg.model, mesh, cfg.sequence_parallel, model) if tp > 1 else None
-    model = parallelize_experts(model, mesh, plan)
+    has_dp = "dp" in (mesh.mesh_dim_names or ())
+    log(cfg, f"ep={ep}: {cfg.model}'s experts over ep" + (f", tp={tp} by its hand plan" if tp > 1 else "")
+        + (f", dp={dim_size(mesh, 'dp')}: DistributedDataParallel over dp x ep, ZeRO stage {cfg.zero}"
+           if has_dp else ""))
+    # the model's DTensor mesh: ep[, tp] (dp is DDP's, outside the model)
+    inner = sub_mesh(mesh, *(n for n in mesh.mesh_dim_names if n != "dp")) if has_dp else mesh
+    plan = models.tp_plan(cfg.model, inner, cfg.sequence_parallel, model) if tp > 1 else None
+    model = parallelize_experts(model, inner, plan)
     if models.is_hf_dir(cfg.model):
         models.load_pretrained(cfg.model, [model])
     init_s = time.perf_counter() - t0
     ep_mesh = sub_mesh(mesh, "ep")
     rank = ep_mesh.get_local_rank()
+    ddp = (DistributedDataParallel(model, mesh, zero_stage=2 if cfg.zero == 2 else 0, data_dims=("ep",))
+           if has_dp else None)
+    module = ddp if ddp is not None else model
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x, y = inputs.chunk(ep)[rank], targets.chunk(ep)[rank]
         with span("forward", cat="forward"):
-            loss = language_model_loss(model(input_ids=x), y)
+            loss = language_model_loss(module(input_ids=x), y)
         with span("backward", cat="backward"):
             (loss / ep).backward()
+            if ddp is not None:
+                ddp.finish_grad_sync()
         total = loss.detach().clone()
         dist.all_reduce(total, group=ep_mesh.get_group())
         return total / ep
 
     params = list(model.parameters())
-    optimizer = build_optimizer(params, None, cfg)
+    optimizer = build_optimizer(params, ddp, cfg)
     return Trainer(forward_backward, params, optimizer, {"model": model, "optim": optimizer}, num_params, init_s,
                    whole_bytes if cfg.init == "eager" else state_bytes([model]),
-                   grads=lambda: grads_by_fqn([model], None), flops_per_token=flops)
+                   grads=lambda: grads_by_fqn([model], ddp), flops_per_token=flops)
 
 
 def apply_pp(model: nn.Module, mesh, cfg: TrainConfig, device: torch.device):
     """Split ``model`` into one stage per pp rank; build (tp-shard, compile) only this rank's; return the engine."""
     from vescale.plan import build_pipeline, language_model_loss
 
-    pp, dp, tp, mb = dim_size(mesh, "pp"), dim_size(mesh, "dp"), dim_size(mesh, "tp"), microbatches(cfg, mesh)
+    pp, dp, tp, mb = dim_size(mesh, "pp"), dp_size(mesh), dim_size(mesh, "tp"), microbatches(cfg, mesh)  # (HSDP too)
     tp_mesh = sub_mesh(mesh, "tp") if tp > 1 else None
     log(cfg, f"pp={pp}: schedule {cfg.schedule}, {mb} microbatches" + (", stages tp-sharded" if tp > 1 else ""))
     return build_pipeline(
@@ -163,19 +190,32 @@ def apply_dp_stages(engine, mesh, cfg: TrainConfig) -> list:
     wrappers, one per local stage; none when ``apply_dp`` would take none (no dp, ZeRO or bf16)."""
     from vescale.parallel import DistributedDataParallel
 
-    if dp_mesh(mesh) is None or (dp_size(mesh) == 1 and not cfg.zero and cfg.dtype == "fp32"):
+    cp = dim_size(mesh, "cp")  # with cp: over dp x cp (grad_mesh), each cp rank holding its share of every row
+    if grad_mesh(mesh) is None or (dp_size(mesh) * cp == 1 and not cfg.zero and cfg.dtype == "fp32"):
         return []
-    log(cfg, f"dp={dp_size(mesh)}: each pipeline stage in DistributedDataParallel, ZeRO stage {cfg.zero}")
+    log(cfg, f"dp={dp_size(mesh)}" + (f" x cp={cp}" if cp > 1 else "")
+        + f": each pipeline stage in DistributedDataParallel, ZeRO stage {cfg.zero}")
     wrappers = []
 
     def wrap(index: int, stage: nn.Module, late: list[nn.Parameter]) -> nn.Module:
         wrappers.append(DistributedDataParallel(
-            stage, dp_mesh(mesh), zero_stage=2 if cfg.zero == 2 else 0,
+            stage, grad_mesh(mesh), zero_stage=2 if cfg.zero == 2 else 0,
             grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype]), late_params=late, wait_in_backward=False))
         return wrappers[-1]
 
     engine.wrap_stages(wrap)
     return wrappers
+
+
+def apply_zero3_stages(engine, mesh, cfg: TrainConfig) -> None:
+    """ZeRO 3 (or HSDP) of each of this rank's pipeline stages (``vescale.parallel.fully_shard_stage``): a stage is
+    one FSDP2 unit over dp, gathered at its first forward of a step and freed after its last backward, whose
+    gradients are summed locally over the microbatches and reduce-scattered once, in that last backward."""
+    from vescale.parallel.zero3 import bf16_policy, fully_shard_stage
+
+    log(cfg, f"dp={dp_size(mesh)}: each pipeline stage sharded by FSDP2 (ZeRO 3), {cfg.dtype}")
+    policy = bf16_policy(getattr(torch, DTYPES[cfg.reduce_dtype])) if cfg.dtype == "bf16" else None
+    engine.wrap_stages(lambda index, stage, late: fully_shard_stage(stage, mesh, mp_policy=policy))
 
 
 def build_optimizer(params: list[nn.Parameter], ddp, cfg: TrainConfig, pp_group=None) -> torch.optim.Optimizer:
@@ -231,7 +271,18 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
     flops = models.flops_per_token(models.matmul_params(model), models.model_spec(cfg.model), cfg.seq_len)
     pretrained = models.is_hf_dir(cfg.model)  # then each rank fills what it holds from the directory's safetensors
     tied = models.tied_names(model) if pretrained else {}
+    if cfg.dtype != "fp32" and cfg.zero != 3:  # (ZeRO 3: FSDP2's fp32 shards, cast for compute by its policy)
+        cast_model(model, cfg)
     if dim_size(mesh, "pp") > 1:
+        cp_positions = None
+        if dim_size(mesh, "cp") > 1:  # before the split: the captured stages call the cp attention operator
+            from vescale.parallel import context_parallel
+            from vescale.parallel.context_parallel import local_positions
+
+            cp_mesh = sub_mesh(mesh, "cp")
+            log(cfg, f"cp={cp_mesh.size()}: every stage's attention over cp (the model is captured taking whole rows)")
+            context_parallel(model, cp_mesh)
+            cp_positions = local_positions(cfg.seq_len, cp_mesh.size(), cp_mesh.get_local_rank()).to(device)
         engine = apply_pp(model, mesh, cfg, device)
         held = list(engine.stages.values())
         if pretrained:
@@ -244,15 +295,19 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
         bytes_built = whole_bytes if cfg.init == "eager" else state_bytes(held)
         from vescale.parallel.clip_grad import mark_tied_copy
 
+        stage_ddp = None
+        if cfg.zero == 3:  # FSDP2 shards each stage in place: the engine collects the new parameters
+            apply_zero3_stages(engine, mesh, cfg)
+        else:  # apply_pp builds one stage per pp rank, so at most one stage DDP here
+            stage_ddp = next(iter(apply_dp_stages(engine, mesh, cfg)), None)
         for p in engine.tied_copies():  # a tied weight held by two stages counts once in the clip norm over pp
             mark_tied_copy(p)  # (before DistributedOptimizer, which marks its shards of them)
-        # apply_pp builds one stage per pp rank, so at most one stage DDP here
-        stage_ddp = next(iter(apply_dp_stages(engine, mesh, cfg)), None)
         optimizer = build_optimizer(engine.parameters(), stage_ddp, cfg, pp_group=sub_mesh(mesh, "pp").get_group())
-        return Trainer(lambda x, y: engine.step(x, y).detach(), engine.parameters(), optimizer,
+        return Trainer(lambda x, y: engine.step(x, y if cp_positions is None else y[:, cp_positions]).detach(),
+                       engine.parameters(), optimizer,
                        {"model": held, "optim": optimizer}, num_params, init_s, bytes_built,
                        grads=lambda: grads_by_fqn(held, stage_ddp), flops_per_token=flops)
-    if dim_size(mesh, "ep") > 1:  # experts over ep, the rest by the family's tp plan (config.py allows ep x tp only)
+    if dim_size(mesh, "ep") > 1:  # experts over ep, the rest by the family's tp plan (config.py: dp x ep x tp only)
         return ep_trainer(cfg, mesh, model, num_params, whole_bytes, flops, t0)
     if dim_size(mesh, "tp") > 1:
         model = apply_tp(model, sub_mesh(mesh, "tp"), cfg)
@@ -281,8 +336,6 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
         if pretrained:  # each rank reads only the bytes of its ZeRO-3 (and tp) shard of every weight
             log(cfg, f"weights from {cfg.model}: each rank reads its ZeRO-3 shards")
             models.load_pretrained(cfg.model, [model])
-    elif cfg.dtype != "fp32":  # DDP's fp32 buffer and DistributedOptimizer's fp32 masters keep the rest in fp32
-        model.to(getattr(torch, DTYPES[cfg.dtype]))
     ddp = apply_dp(model, mesh, cfg)
     module = ddp if ddp is not None else model
 

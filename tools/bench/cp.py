@@ -9,7 +9,8 @@ fp32, on ``cp`` CPU ranks (cp = 1: the plain model on one pooled rank). Reported
 * ``activation_mb``: the bytes the step's forward saves for backward on a rank (every tensor autograd keeps but the
   parameters, counted once per storage, via ``torch.autograd.graph.saved_tensors_hooks``), which is what the
   activations cost in memory whatever the allocator (CPU torch keeps no allocator statistics). It must fall as
-  ``1 / cp``, except the keys and values each layer gathers over cp, which every rank holds whole;
+  ``1 / cp``, except the keys and values each layer gathers over cp, which every rank holds whole (the attention is
+  blockwise, so no ``S/cp x S`` term: the ratio to cp = 1 stays constant as the sequence grows);
 * ``ratio_to_cp1``: that figure over cp = 1's, next to the ideal ``1 / cp``;
 * ``step_ms``: median step time of the slowest rank.
 

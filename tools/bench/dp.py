@@ -1,13 +1,16 @@
 """Benchmark vescale data parallelism against PyTorch's own, same model and ranks, one run.
 
-    python tools/bench/dp.py [--small] [--world-size N] [--steps N]
+    python tools/bench/dp.py [--small] [--world-size N] [--steps N] [--zero3-vs-fsdp2 [--rounds N]]
 
 Compares, per rank (the slowest rank's median step time; peak memory of the rank process):
   * vescale ``DistributedDataParallel`` (ZeRO 0)  vs  ``torch.nn.parallel.DistributedDataParallel``
   * vescale ZeRO 1 (DDP + ``DistributedOptimizer(zero_stage=1)``)
   * vescale ZeRO 2 (DDP ``zero_stage=2`` + ``DistributedOptimizer``)  vs  torch ``fully_shard`` with
     ``reshard_after_forward=False`` (FSDP2 in its ZeRO-2-like mode)
-  * vescale ZeRO 3 (``fully_shard_dp``)  vs  torch ``fully_shard`` per block and root, used directly
+  * vescale ZeRO 3 (``fully_shard_dp``)  vs  torch ``fully_shard`` per block and root, used directly; and the same
+    pair again in one set of rank processes, their steps interleaved (A B B A per round, a barrier before every
+    step, the slowest rank's time), which is the step-time ratio to trust on a loaded machine: its median over the
+    rounds' paired ratios and their spread (``zero3_vs_fsdp2_interleaved``; ``--zero3-vs-fsdp2`` runs only it)
 all with ``torch.optim.AdamW`` on the nanoGPT-style GPT of ``vescale.core.testing.models``. Every configuration runs in
 fresh rank processes, so peak memory is its own: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the growth of the
 process's peak RSS over its size before the model was built. Held bytes per rank are also counted from the tensors
@@ -183,17 +186,119 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
     return times, state, numel, held
 
 
+def _build_zero3(method: str, cfg, device):
+    """A fresh GPT (seed 0) sharded per block and root over all ranks: by vescale (``fully_shard_dp``) or by torch's
+    ``fully_shard`` called directly; with its AdamW."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vescale.core.testing.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    if method == "vescale_zero3":
+        from vescale.parallel import fully_shard_dp
+
+        fully_shard_dp(model, mesh)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _zero3_vs_fsdp2(small: bool, rounds: int, block: int) -> dict:
+    """vescale ZeRO 3 against torch FSDP2 used directly, interleaved in one set of rank processes (on every rank).
+
+    Both models live side by side. Each round times ``block`` steps of each, in the order A B B A (vescale, torch,
+    torch, vescale), so that a load that drifts linearly over a round weighs both alike; every step starts after a
+    barrier and its time is the slowest rank's. A round's ratio is the median of its vescale steps over the median
+    of its torch steps (and, less sensitive to bursts of other load, its fastest vescale step over its fastest torch
+    step): the rounds' ratios are paired measurements under the same load, and their median and quartiles are what
+    a loaded machine can say."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.testing.models import cross_entropy
+
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(1)
+    cfg, batch, seq = _config(small)
+    models = {m: _build_zero3(m, cfg, device) for m in ("vescale_zero3", "torch_fsdp2")}
+    g = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
+
+    def step(method: str) -> float:
+        model, opt = models[method]
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for method in models:  # warm-up: lazy init, allocator, first collectives
+        step(method)
+        step(method)
+    times: dict[str, list[list[float]]] = {m: [] for m in models}
+    for _ in range(rounds):
+        mine: dict[str, list[float]] = {m: [] for m in models}
+        for method in ("vescale_zero3", "torch_fsdp2", "torch_fsdp2", "vescale_zero3"):
+            mine[method] += [step(method) for _ in range(block)]
+        for method in models:
+            times[method].append(mine[method])
+    # the slowest rank's time of every step
+    flat = torch.tensor([times[m] for m in models], dtype=torch.float64, device=device)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    slowest = {m: flat[i].tolist() for i, m in enumerate(models)}
+    pairs = list(zip(slowest["vescale_zero3"], slowest["torch_fsdp2"]))
+    ratios = sorted(statistics.median(v) / statistics.median(t) for v, t in pairs)
+    # the fastest step of each method in a round: the step least disturbed by other load, paired within the round
+    fastest = sorted(min(v) / min(t) for v, t in pairs)
+    every = {m: [x for r in slowest[m] for x in r] for m in models}
+    quart = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+    fquart = statistics.quantiles(fastest, n=4, method="inclusive") if len(fastest) > 1 else [fastest[0]] * 3
+    return {"rounds": rounds, "steps_per_method_per_round": 2 * block,
+            "vescale_step_s_median": statistics.median(every["vescale_zero3"]),
+            "torch_step_s_median": statistics.median(every["torch_fsdp2"]),
+            "vescale_step_s_min": min(every["vescale_zero3"]), "torch_step_s_min": min(every["torch_fsdp2"]),
+            "ratio_median": statistics.median(ratios), "ratio_q1": quart[0], "ratio_q3": quart[2],
+            "ratio_min": ratios[0], "ratio_max": ratios[-1],
+            "fastest_step_ratio_median": statistics.median(fastest), "fastest_step_ratio_q1": fquart[0],
+            "fastest_step_ratio_q3": fquart[2], "round_ratios": ratios}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny model, few steps (a smoke run)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--only", nargs="+", choices=sorted(_STAGE), help="run these methods only (no ratios)")
+    parser.add_argument("--zero3-vs-fsdp2", action="store_true",
+                        help="only the interleaved ZeRO-3 vs torch FSDP2 comparison (see --rounds)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of the interleaved ZeRO-3 vs FSDP2 comparison (default 9, --small 3)")
     args = parser.parse_args(argv)
     steps = args.steps or (3 if args.small else 10)
+    rounds = args.rounds or (3 if args.small else 9)
 
     from vescale.core.launch import spawn
 
+    if args.zero3_vs_fsdp2:
+        out = {"bench": "dp", "world_size": args.world_size, "small": args.small,
+               "zero3_vs_fsdp2_interleaved": spawn(_zero3_vs_fsdp2, args.world_size, args.small, rounds, 2)}
+        print(json.dumps(out, indent=1))
+        return out
     results = {}
     methods = ("torch_ddp", "vescale_ddp", "vescale_zero1", "torch_fsdp2_no_reshard", "vescale_zero2", "torch_fsdp2",
                "vescale_zero3")
@@ -220,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
         "zero3_step_time_ratio": results["vescale_zero3"]["step_s"] / results["torch_fsdp2"]["step_s"],
         "zero3_peak_mem_ratio": _ratio(results["vescale_zero3"]["peak_mem_bytes"],
                                        results["torch_fsdp2"]["peak_mem_bytes"]),
+        # the step-time ratio to trust on a shared machine: both in the same processes, interleaved, paired rounds
+        "zero3_vs_fsdp2_interleaved": spawn(_zero3_vs_fsdp2, args.world_size, args.small, rounds, 2),
         "zero2_opt_state_vs_full_over_dp": results["vescale_zero2"]["opt_state_bytes"] * dp / full,
         "fsdp2_opt_state_vs_full_over_dp": results["torch_fsdp2_no_reshard"]["opt_state_bytes"] * dp / full,
     }

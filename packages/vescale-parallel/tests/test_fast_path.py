@@ -1,5 +1,6 @@
-"""The fast path (:class:`vescale.parallel.local.FastBlock`): known attention/MLP blocks run on local tensors between
-their plan's boundaries.
+"""The fast path (:class:`vescale.parallel.local.FastBlock`, :class:`vescale.parallel.local.FastLayer`): known
+attention/MLP blocks, and whole decoder layers whose two blocks qualify, run on local tensors between their plan's
+boundaries.
 
 Against the same model on one process (logits, loss, every parameter gradient, greedy tokens) and against the same
 parallelized model with the fast path off (``fast_path(False)``: every block on DTensors, the path the rest of the
@@ -30,6 +31,12 @@ def _blocks(model):
     return {fqn: m.forward for fqn, m in model.named_modules() if isinstance(m.forward, FastBlock)}
 
 
+def _layers(model):
+    from vescale.parallel.local import FastLayer
+
+    return {fqn: m.forward for fqn, m in model.named_modules() if isinstance(m.forward, FastLayer)}
+
+
 def _step(model, tokens, labels):
     import torch.nn.functional as F
 
@@ -55,28 +62,33 @@ def test_fast_blocks_match_single_device_and_dtensor_path():
     ref = _llama()
     fast = parallelize_module(copy.deepcopy(ref), mesh, llama_plan(mesh))
     slow = parallelize_module(copy.deepcopy(ref), mesh, llama_plan(mesh))
-    blocks = _blocks(fast)
+    blocks, layers = _blocks(fast), _layers(fast)
     assert sorted(blocks) == [f"model.layers.{i}.{b}" for i in range(2) for b in ("mlp", "self_attn")], blocks
+    assert sorted(layers) == ["model.layers.0", "model.layers.1"], layers
     g = torch.Generator().manual_seed(1)
     tokens, labels = torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
 
     ref_logits, ref_loss = _step(ref, tokens, labels)
     logits, loss = _step(fast, tokens, labels)
     assert all(b.local_calls == 1 for b in blocks.values()), {k: b.local_calls for k, b in blocks.items()}
+    assert all(layer.local_calls == 1 for layer in layers.values())
     with fast_path(False):
         slow_logits, slow_loss = _step(slow, tokens, labels)
     assert all(b.local_calls == 0 for b in _blocks(slow).values())
 
     torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    # the fast path runs the very local kernels the DTensor path runs: bitwise equal to it
+    # forward: the very local kernels and all-reduces the DTensor path runs, bitwise equal to it; backward: a fast
+    # layer all-reduces a block's input gradient before the norm's backward (Megatron's order), where DTensor may
+    # carry it as a partial sum further, so gradients agree to rounding
     assert torch.equal(logits, slow_logits) and torch.equal(loss, slow_loss)
     ref_params, slow_params = dict(ref.named_parameters()), dict(slow.named_parameters())
     for name, p in fast.named_parameters():
         assert tuple(p.grad.placements) == tuple(p.placements), name
         torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, name=name: f"{name}: {m}")
-        assert torch.equal(p.grad.to_local(), slow_params[name].grad.to_local()), name
+        torch.testing.assert_close(p.grad.to_local(), slow_params[name].grad.to_local(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{name} against the DTensor path: {m}")
 
     # decode: greedy tokens of one device; the KV cache holds DTensors sharded by head, as on the DTensor path
     # (this rank: 4 kv heads / tp 2), though the blocks ran locally
@@ -141,6 +153,7 @@ def test_fast_path_refuses_what_it_cannot_show_equal():
     calls = {fqn: b.local_calls for fqn, b in _blocks(par).items()}
     assert calls == {"model.layers.0.self_attn": 0, "model.layers.0.mlp": 1, "model.layers.1.self_attn": 0,
                      "model.layers.1.mlp": 1}, calls
+    assert [layer.local_calls for layer in _layers(par).values()] == [0, 0]  # a layer needs both blocks fast
 
     # a subclass of a known block may compute anything: not installed
     class MyAttention(tf.models.llama.modeling_llama.LlamaAttention):
@@ -152,9 +165,20 @@ def test_fast_path_refuses_what_it_cannot_show_equal():
         layer.self_attn = MyAttention(model.config, old.layer_idx)
     par = parallelize_module(model, mesh, llama_plan(mesh))
     assert sorted(_blocks(par)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert not _layers(par)
 
     # a plan entry inside a block: the plan wants a boundary there, so the block stays on DTensors
     plan = llama_plan(mesh)
     plan["input"][r"model\.layers\.\d+\.self_attn\.q_proj"] = [[Replicate()]]
     par = parallelize_module(_llama(), mesh, plan)
     assert sorted(_blocks(par)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert not _layers(par)
+
+    # whole layers need replicated block outputs (sequence parallelism reduce-scatters them) and no plan entry at a
+    # norm; the blocks alone still run locally there
+    par = parallelize_module(_llama(), mesh, llama_plan(mesh, sequence_parallel=True))
+    assert len(_blocks(par)) == 4 and not _layers(par)
+    plan = llama_plan(mesh)
+    plan["output"][r"model\.layers\.0\.input_layernorm"] = [[Replicate()]]
+    par = parallelize_module(_llama(), mesh, plan)
+    assert len(_blocks(par)) == 4 and sorted(_layers(par)) == ["model.layers.1"]

@@ -143,14 +143,15 @@ def test_cost_model_prefers_tp_and_zero_when_memory_is_tight():
     tight = choose_parallelism(model, 8, batch_size=8, seq_len=2048, memory_budget_gb=40, trace=trace)
     assert tight.chosen.fits and tight.chosen.memory_gb <= 40
     assert loose.chosen.step_s <= tight.chosen.step_s
-    shapes = {(c.pp, c.dp, c.tp, c.zero_stage) for c in loose.candidates}
+    shapes = {(c.pp, c.dp, c.tp, c.zero_stage) for c in loose.candidates if c.cp == 1}
     assert (1, 8, 1, 0) in shapes and (1, 1, 8, 0) in shapes and (2, 2, 2, 0) in shapes
     assert all(z == 0 for pp, dp, _, z in shapes if pp > 1 or dp == 1)  # ZeRO only where it is applied: pp == 1
+    assert all(c.pp == 1 and c.zero_stage < 3 for c in loose.candidates if c.cp > 1)  # cp: no pp, no ZeRO-3
     only2 = choose_parallelism(model, 8, batch_size=8, seq_len=2048, trace=trace, zero_stages=(2,), fixed={"pp": 1})
-    assert {(c.dp > 1, c.zero_stage) for c in only2.candidates} == {(True, 2), (False, 0)}
+    assert {(c.dp * c.cp > 1, c.zero_stage) for c in only2.candidates} == {(True, 2), (False, 0)}
     with pytest.raises(PlanError, match="zero_stages"):
-        choose_parallelism(model, 8, trace=trace, zero_stages=(3,))
-    by = {(c.pp, c.dp, c.tp, c.zero_stage): c for c in loose.candidates}
+        choose_parallelism(model, 8, trace=trace, zero_stages=(4,))
+    by = {(c.pp, c.dp, c.tp, c.zero_stage): c for c in loose.candidates if c.cp == 1}
     assert by[(1, 8, 1, 1)].memory_gb < by[(1, 8, 1, 0)].memory_gb  # ZeRO-1 shards optimizer states
     assert by[(1, 1, 8, 0)].tp_bytes > 0 and by[(1, 8, 1, 0)].tp_bytes == 0
     none = choose_parallelism(model, 8, batch_size=8, seq_len=2048, memory_budget_gb=1, trace=trace)

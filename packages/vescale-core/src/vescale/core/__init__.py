@@ -7,6 +7,8 @@
 - :mod:`vescale.core.comm`: the one collective counter (``count_comms``: calls and bytes per collective, per mesh dim).
 - :mod:`vescale.core.watchdog`: collective timeouts that name the missing rank (``watch_collectives``).
 - :mod:`vescale.core.fqn`: the one matcher of plan patterns against FQNs (``match_plan``).
+- :mod:`vescale.core.sharded_state`: the protocol through which sharded state (ZeRO's optimizer, ragged DTensors, a
+  user's object) is saved and loaded (``ShardedTensor``, ``ShardedStateful``, ``BoxPlacement``).
 - :mod:`vescale.core.errors`: ``VescaleError`` and its subclasses.
 - :mod:`vescale.core.testing`: the pooled multi-rank pytest harness.
 """

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.dtensor import random
 from vescale.dtensor.api import distribute_tensor, from_local, full_tensor, redistribute
-from vescale.dtensor.deferred import adopt_deferred, deferred_init, is_deferred, materialize
+from vescale.dtensor.deferred import adopt_deferred, deferred_init, is_deferred, materialize, record_deferred
 from vescale.dtensor.errors import CompiledRandomError, DeferredInitError, PlacementError, StrictRedistributeError
 from vescale.dtensor.placements import InterleavedShard, RaggedShard, as_interleaved, is_interleaved
 from vescale.dtensor.strict import CommCounter, count_comms, is_strict, strict
@@ -38,6 +38,7 @@ __all__ = [
     "materialize",
     "is_deferred",
     "adopt_deferred",
+    "record_deferred",
     "strict",
     "is_strict",
     "count_comms",

@@ -7,12 +7,17 @@ including the counter-RNG sequence number of each random op (:mod:`vescale.dtens
 context stays the real one, libraries that skip init on a meta device context (transformers) still run their init.
 Replay runs the same ops with the same RNG keys, so a materialised module equals the module built eagerly inside
 ``vescale.dtensor.random.single_device()`` after the same seed, and every shard equals the slice of it.
+
+Ops on a deferred module after :func:`deferred_init` returned (a dtype cast, ``model.to(torch.bfloat16)``; a layer
+re-initialised) are recorded the same way inside :func:`record_deferred`. A cast of a whole tensor is replayed per
+shard: this rank's shard of the fp32 init, cast, which is bitwise the slice of the one-device init cast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +34,7 @@ from vescale.dtensor import random as _rng
 from vescale.dtensor.errors import DeferredInitError
 from vescale.dtensor.layout import contiguous_stride
 
-__all__ = ["deferred_init", "materialize", "is_deferred", "adopt_deferred"]
+__all__ = ["deferred_init", "record_deferred", "materialize", "is_deferred", "adopt_deferred"]
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -165,6 +170,28 @@ def deferred_init(fn: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn
     return module
 
 
+@contextlib.contextmanager
+def record_deferred(module: nn.Module) -> Iterator[nn.Module]:
+    """Record ops on the still deferred ``module``'s meta tensors into its init record, as :func:`deferred_init` did.
+
+    ``with record_deferred(model): model.to(torch.bfloat16)`` makes ``model`` a bf16 meta model whose
+    :func:`materialize` gives, bitwise, the one-device fp32 init cast to bf16 (each rank casting only its shard of the
+    fp32 init; no whole fp32 tensor is built). Any other op works too (``torch.nn.init.zeros_(model.head.weight)``):
+    random ops draw the counter-RNG sequence numbers they would draw eagerly now, and factories make meta tensors.
+    Without this block an op on a deferred model's meta tensors is not recorded, and :func:`materialize` then
+    refuses the tensors it made. Yields ``module``. Raises :class:`DeferredInitError` when ``module`` is not deferred
+    (or already materialised).
+    """
+    storages = getattr(module, "_vescale_deferred", None)
+    if storages is None:
+        raise DeferredInitError(f"record_deferred: {type(module).__name__} was not built by deferred_init (or is "
+                                "already materialised)")
+    rec = _Recorder()
+    rec.storages = storages  # one record: parts adopted from the same model (adopt_deferred) share it too
+    with rec:
+        yield module
+
+
 def is_deferred(module: nn.Module) -> bool:
     """Whether ``module`` came from :func:`deferred_init` and still has meta tensors to materialise."""
     return getattr(module, "_vescale_deferred", None) is not None
@@ -268,12 +295,29 @@ def _whole(node: _Storage, geom: _Geom) -> bool:
                                                              or math.prod(node.shape) <= 1)
 
 
-def _shardable(node: _Storage) -> bool:
-    """A storage whose log a shard can replay alone: a fill factory, then whole-tensor elementwise or random ops."""
+def _cast_source(node: _Storage) -> _Ref | None:
+    """The whole tensor ``node`` is a plain dtype cast of (``t.to(dtype)``, as ``module.to(dtype)`` makes), or None."""
     prod = node.entries[0]
-    if prod.func not in _FILL_FACTORIES and prod.func is not aten.full.default:
+    if prod.func is not aten._to_copy.default or set(prod.kwargs) - {"dtype"} or len(prod.args) != 1:
+        return None
+    src = prod.args[0]
+    if not isinstance(src, _Ref) or not _whole(src.storage, src.geom) or src.storage.shape != node.shape:
+        return None
+    return src
+
+
+def _shardable(node: _Storage, upto: int | None = None) -> bool:
+    """A storage whose log (its first ``upto`` entries) a shard can replay alone: a fill factory, or a dtype cast of
+    such a storage, then whole-tensor elementwise or random ops."""
+    entries = node.entries[:len(node.entries) if upto is None else upto]
+    prod = entries[0]
+    src = _cast_source(node)
+    if src is not None:
+        if not _shardable(src.storage, src.version):
+            return False
+    elif prod.func not in _FILL_FACTORIES and prod.func is not aten.full.default:
         return False
-    for op in node.entries[1:]:
+    for op in entries[1:]:
         if not _whole(node, op.geom) and _view_positions(node, op.geom) is None:
             return False
         if not _whole(node, op.geom) and op.func not in _VIEW_FILLS and op.seq is not None:
@@ -335,28 +379,39 @@ def _apply_to_view(rep: _Replayer, node: _Storage, op: _Op, local: torch.Tensor,
     flat[sel] = part
 
 
+def _local_shard(rep: _Replayer, node: _Storage, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                 upto: int | None = None) -> DTensor:
+    """This rank's shard of a :func:`_shardable` storage after its first ``upto`` log entries, computed alone."""
+    from vescale.dtensor.api import from_local
+    from vescale.dtensor.layout import global_flat_index, local_shape
+
+    src = _cast_source(node)
+    if src is not None:  # the source's shard, cast: elementwise, so bitwise the slice of the whole cast
+        local = _local_shard(rep, src.storage, mesh, placements, src.version).to_local().to(node.dtype)
+    else:
+        local = rep.produce(node, local_shape(node.shape, mesh, placements))
+    dt = from_local(local, mesh, placements, shape=node.shape)
+    gidx = None
+    for op in node.entries[1:len(node.entries) if upto is None else upto]:
+        if not _whole(node, op.geom):
+            if gidx is None:
+                gidx = global_flat_index(node.shape, mesh, placements).reshape(-1)
+            _apply_to_view(rep, node, op, local, gidx)
+        elif op.seq is not None:
+            rep._run(op, dt)
+        else:
+            args, kwargs = pytree.tree_map_only((_Ref, _Const), rep.resolve, (op.args, op.kwargs))
+            op.func(local, *args[1:], **kwargs)
+    return dt
+
+
 def _local_value(rep: _Replayer, node: _Storage, mesh: DeviceMesh, placements: tuple[Placement, ...]):
     """The local shard of a storage on this rank as a DTensor, computing only the shard when possible."""
     from vescale.dtensor.api import from_local
-    from vescale.dtensor.layout import local_shape, local_slice
+    from vescale.dtensor.layout import local_slice
 
     if _shardable(node):
-        local = rep.produce(node, local_shape(node.shape, mesh, placements))
-        dt = from_local(local, mesh, placements, shape=node.shape)
-        gidx = None
-        for op in node.entries[1:]:
-            if not _whole(node, op.geom):
-                if gidx is None:
-                    from vescale.dtensor.layout import global_flat_index
-
-                    gidx = global_flat_index(node.shape, mesh, placements).reshape(-1)
-                _apply_to_view(rep, node, op, local, gidx)
-            elif op.seq is not None:
-                rep._run(op, dt)
-            else:
-                args, kwargs = pytree.tree_map_only((_Ref, _Const), rep.resolve, (op.args, op.kwargs))
-                op.func(local, *args[1:], **kwargs)
-        return dt, True
+        return _local_shard(rep, node, mesh, placements), True
     full = rep.full(node)
     return from_local(local_slice(full, mesh, placements), mesh, placements, shape=node.shape), False
 
@@ -420,7 +475,9 @@ def materialize(module: nn.Module, mesh: DeviceMesh | None = None,
         node = storages.get(sid)
         fqns = [s[0] for s in group]
         if node is None:
-            raise DeferredInitError(f"materialize: {fqns} were not created inside deferred_init")
+            raise DeferredInitError(f"materialize: {fqns} were not created inside deferred_init (an op on a "
+                                    "deferred module after deferred_init, e.g. module.to(dtype), must run inside "
+                                    "`with record_deferred(module):`)")
         for fqn, *_rest in group:
             if not _whole(node, _Geom.of(_rest[-1])):
                 raise DeferredInitError(f"materialize: {fqn} is a view of a larger tensor; unsupported")
@@ -462,8 +519,8 @@ def materialize(module: nn.Module, mesh: DeviceMesh | None = None,
             for _fqn, mod, name, is_param, _old in group:
                 if is_param:
                     setattr(mod, name, shared)
-        if pl is not None:
-            rep.cache.clear()  # free whole tensors computed for slicing before the next storage
+        if pl is not None or _cast_source(node) is not None:
+            rep.cache.clear()  # free whole tensors computed for slicing, or a cast's fp32 source, before the next
     module._vescale_deferred = None
     if report is not None:
         report["sharded"] = sorted(sharded)

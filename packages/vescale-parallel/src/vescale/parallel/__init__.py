@@ -33,10 +33,12 @@ from vescale.parallel.errors import (
     ZeroError,
 )
 from vescale.parallel.experts import (  # expert parallelism
+    capacity_keep,
     expert_parallel_plan,
     find_experts,
     parallelize_experts,
 )
+from vescale.parallel.kv_replicas import replicate_kv_heads  # part 1: TP/SP (GQA, kv heads < tp)
 from vescale.parallel.loss import loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
 from vescale.parallel.optimizer import DistributedOptimizer  # part 2: DP/ZeRO
 from vescale.parallel.parallelize import parallelize_module, plan_report  # part 1: TP/SP
@@ -44,18 +46,19 @@ from vescale.parallel.plan_grammar import Plan, check_plan  # part 1: TP/SP
 from vescale.parallel.plans import PLANS, gpt2_plan, gpt_plan, llama_plan, mixtral_plan, qwen2_plan  # part 1: TP/SP
 from vescale.parallel.report import PlanEntry, PlanReport  # part 1: TP/SP
 from vescale.parallel.stage import parallelize_stage  # pipeline stages (vescale-plan)
-from vescale.parallel.zero3 import fully_shard_dp  # part 2: DP/ZeRO
+from vescale.parallel.zero3 import fully_shard_dp, fully_shard_stage  # part 2: DP/ZeRO
 
 __all__: list[str] = []
 __all__ += ["DistributedDataParallel", "DDPError", "DistributedOptimizer", "ZeroError", "clip_grad_norm_", "grad_norm",
-            "mark_sharded", "fully_shard_dp", "Zero3Error"]  # part 2: DP/ZeRO
+            "mark_sharded", "fully_shard_dp", "fully_shard_stage", "Zero3Error"]  # part 2: DP/ZeRO
 __all__ += ["parallelize_module", "plan_report", "Plan", "check_plan", "PlanReport", "PlanEntry",
             "vocab_parallel_cross_entropy", "loss_parallel", "LossParallelError", "PLANS", "gpt_plan", "llama_plan",
             "qwen2_plan", "mixtral_plan", "gpt2_plan"]  # part 1: TP/SP
+__all__ += ["replicate_kv_heads"]  # part 1: TP/SP (GQA with fewer kv heads than tp ranks)
 __all__ += ["parallelize_stage"]  # pipeline stages (vescale-plan)
 __all__ += ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks",
             "CompileError"]  # compile mode
 __all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpointError"]  # activation checkpointing
-__all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts",
+__all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep",
             "ExpertParallelError"]  # expert parallelism
 __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism

@@ -1,48 +1,69 @@
 """Context parallelism: a model's sequences sharded over the ``cp`` mesh dim, exact causal attention across the shards.
 
-:func:`context_parallel` wraps an unmodified Hugging Face causal language model (Llama, Qwen2, Mistral and any model
-whose attention goes through transformers' attention interface) so that each rank of the ``cp`` dim runs the whole
-model on its part of every sequence:
+:func:`context_parallel` wraps a causal language model so that each rank of the ``cp`` dim runs the whole model on its
+part of every sequence. Two kinds of model are taken, unmodified:
+
+- **transformers causal LMs** (Llama, Qwen2, Mistral and any model whose attention goes through transformers'
+  attention interface): the model's attention implementation becomes ``vescale_context_parallel``, registered in that
+  interface (the model's own must be sdpa or eager);
+- **models with their own attention arithmetic** (the in-repo GPT of ``tools/models.py`` and
+  ``vescale.core.testing.models``) that follow the **causal-attention hook**: the root
+  ``forward(tokens, positions=None)`` takes the global positions of its tokens (int64 ``[T]``, the same for every
+  row; default ``0 .. T-1``) for its position embeddings, and every attention module computes its causal
+  self-attention by calling its own method ``causal_attention(q, k, v) -> [B, H, T, D]`` (queries
+  ``[B, H, T, D]``, keys and values ``[B, Hkv, T, D]`` with ``H`` a multiple of ``Hkv``, scale ``D ** -0.5``, rotary
+  already applied). :func:`context_parallel` replaces that method on each instance that has one; nothing is
+  recognised by class name.
+
+How it runs:
 
 - **Load-balanced causal sharding.** A sequence of ``S`` tokens is cut into ``2 * cp`` equal chunks; cp rank ``r``
   holds chunk ``r`` and chunk ``2 * cp - 1 - r`` (a head and a tail), so every rank has the same amount of causal
   attention work and none idles on the masked half.
-- **Positions.** The model is called with the global ``position_ids`` of the rank's tokens, so rotary embeddings are
-  those of one device.
-- **Attention: all-gather of keys and values** (the scheme Llama 3 trained with). The model's attention
-  implementation becomes ``vescale_context_parallel`` (registered in transformers' attention interface; the model's
-  own, sdpa or eager, keeps setting the arithmetic). Each attention layer gathers the
-  keys and values of the whole sequence over ``cp`` and computes its own queries against them under the global causal
-  mask (and sliding window, where the model has one). Scores and probabilities per rank are ``S / cp x S``: they,
-  and every other activation of the model, fall as ``1 / cp``; the gathered keys and values (``S x kv_heads x
-  head_dim`` a layer) do not. It was chosen over a ring exchange with an online softmax because it is exact in one
-  kernel call per layer (the same sdpa or eager arithmetic as one device, only the key order differs) and its
-  backward is a single reduce-scatter; a ring overlaps better on a fast interconnect and is left for later.
-- **Loss.** With ``labels`` the model's own loss function receives this rank's labels already shifted (the shift is
-  done on the whole sequence first, so no token loses its target at a chunk boundary) and the whole batch's count of
-  target tokens divided by ``cp``: each rank's loss is its tokens' summed loss over ``N / cp``, so **the mean of the
-  cp ranks' losses is the one-device loss, and the mean of their gradients is the one-device gradient.** Reduce
-  gradients with a mean over ``cp`` (with dp: over the dp x cp ranks, e.g. vescale DDP on that group).
+- **Positions.** The model is called with the global positions of the rank's tokens (``position_ids`` /
+  ``positions``), so rotary embeddings are those of one device.
+- **Attention: all-gather of keys and values** (the scheme Llama 3 trained with), then blockwise exact attention,
+  as one custom operator per layer (``vescale::cp_attention``, forward and backward registered with
+  ``torch.library``) so that ``torch.export`` keeps it whole: a pipeline stage cut from a captured graph
+  (``vescale.pipe.split``) still attends over cp.
+  Each attention layer gathers the keys and values of the whole sequence over ``cp`` (backward: one reduce-scatter)
+  and computes its own queries against them with
+  :func:`~vescale.parallel.chunked_attention.chunked_forward`: per query chunk, a causal diagonal block and
+  the whole blocks before it (sliding window respected, where the model has one), each ``S/2cp x S/2cp``, merged by
+  log-sum-exp, with a flash-style recomputing backward. No mask or score matrix of ``S/cp x S`` exists at any time:
+  every activation per rank falls as ``1 / cp`` except the gathered keys and values (``S x kv_heads x head_dim`` a
+  layer). All-gather was chosen over a ring exchange because its backward is a single reduce-scatter and it needs
+  no per-step send schedule; a ring overlaps better on a fast interconnect and is left for later.
+- **Loss.** With ``labels`` (transformers models) the model's own loss function receives this rank's labels already
+  shifted (the shift is done on the whole sequence first, so no token loses its target at a chunk boundary) and the
+  whole batch's count of target tokens divided by ``cp``: each rank's loss is its tokens' summed loss over ``N / cp``,
+  so **the mean of the cp ranks' losses is the one-device loss, and the mean of their gradients is the one-device
+  gradient.** A hook model returns logits only: take the targets of this rank's positions
+  (``targets[:, local_positions(S, cp, rank)]``). Reduce gradients with a mean over ``cp`` (with dp: over the dp x cp
+  ranks, e.g. vescale DDP on that group).
 
 What is refused, with the reason, before any collective: a sequence length not divisible by ``2 * cp``; attention
 masks with padding (pack sequences instead: every row must be whole); a KV cache (``use_cache=True`` is turned off
 when not asked for, refused when asked for, and ``past_key_values`` refused: generation under cp is not supported);
-attention dropout in training; soft-capped or sink attention (Gemma 2, gpt-oss). Outputs (``logits``) hold this
-rank's positions, in its chunk order; :func:`gather_sequence` puts a tensor of them back into sequence order.
+attention dropout in training (a transformers ``attention_dropout``, or an ``nn.Dropout`` with ``p > 0`` inside a
+hook attention module); soft-capped or sink attention (Gemma 2, gpt-oss); a model that is neither kind. Outputs
+(``logits``) hold this rank's positions, in its chunk order; :func:`gather_sequence` puts a tensor of them back into
+sequence order.
 """
-
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from vescale.core.mesh import dim_group
+from vescale.parallel.chunked_attention import ChunkLayout, attention_output, chunked_backward, chunked_forward
 from vescale.parallel.errors import ContextParallelError
 from vescale.parallel.factory import capture_suspended
 
@@ -51,16 +72,18 @@ __all__ = ["context_parallel", "gather_sequence", "local_positions"]
 ATTENTION_NAME = "vescale_context_parallel"  # the name registered in transformers' attention interfaces
 
 
+HOOK_NAME = "causal_attention"  # the attention method a hook model's attention modules call (see the docstring)
+
+
 @dataclass(frozen=True)
 class _Setup:
-    """A context-parallel model's cp group and its own attention arithmetic, found from its config by the attention
-    function (which transformers calls with the attention module, whose ``config`` is the model's)."""
+    """A context-parallel model's cp group (and, for a transformers model, its config, by which the attention function
+    finds the setup: transformers calls it with the attention module, whose ``config`` is the model's)."""
 
-    config: weakref.ref
     group: dist.ProcessGroup
     size: int
     rank: int
-    attn_implementation: str  # the model's own: "sdpa" or "eager" arithmetic is kept
+    config: weakref.ref | None = None
 
 
 _SETUPS: dict[int, _Setup] = {}  # id(config) -> its _Setup
@@ -73,23 +96,6 @@ def _setup_of(module: nn.Module) -> _Setup:
         raise ContextParallelError(f"{type(module).__name__} runs the {ATTENTION_NAME!r} attention but its model was "
                                    f"not set up by context_parallel")
     return setup
-
-
-@functools.lru_cache(maxsize=16)
-def _mask(seq_len: int, size: int, rank: int, window: int | None, device: str, dtype: torch.dtype) -> torch.Tensor:
-    """``[S_local, S]``: which gathered keys (every rank's positions, rank after rank) each of ``rank``'s queries may
-    attend to (causal, within ``window``); bool, or additive (0 / -inf) in a floating ``dtype``. Cached, so every
-    layer of a forward (and its recompute under activation checkpointing) shares one: torch's CPU attention kernel
-    turns a bool mask into a float copy it keeps for backward, one per layer; an additive mask of the query's dtype
-    is kept as is."""
-    q_pos = local_positions(seq_len, size, rank).to(device)
-    k_pos = torch.cat([local_positions(seq_len, size, r) for r in range(size)]).to(device)
-    allowed = q_pos[:, None] >= k_pos[None, :]
-    if window is not None:
-        allowed &= (q_pos[:, None] - k_pos[None, :]) < window
-    if dtype != torch.bool:
-        allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    return allowed
 
 
 def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -111,31 +117,83 @@ def _cp_group(mesh) -> dist.ProcessGroup:
     return found[0]
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather of ``[B, H, S_local, D]`` along the sequence (rank after rank); backward: reduce-scatter (sum)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        local = x.movedim(2, 0).contiguous()
-        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_single(out, local, group=group)
-        return out.movedim(0, 2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        whole = grad.movedim(2, 0).contiguous()
-        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter: sum everywhere, keep this rank's part
-            dist.all_reduce(whole, group=ctx.group)
-            part = whole.chunk(ctx.size)[dist.get_rank(ctx.group)]
-        else:
-            part = whole.new_empty((whole.shape[0] // ctx.size, *whole.shape[1:]))
-            dist.reduce_scatter_single(part, whole, group=ctx.group)
-        return part.movedim(0, 2), None, None
+def _gather(x: torch.Tensor, setup: _Setup) -> torch.Tensor:
+    """All-gather of ``[B, H, S_local, D]`` along the sequence over cp, rank after rank."""
+    local = x.movedim(2, 0).contiguous()
+    out = local.new_empty((setup.size * local.shape[0], *local.shape[1:]))
+    dist.all_gather_single(out, local, group=setup.group)
+    return out.movedim(0, 2)
 
 
-def _local_heads(t: torch.Tensor):
-    """(local tensor, rewrap) for an attention operand that may be a DTensor sharded by heads over tp."""
+def _reduce_scatter(grad: torch.Tensor, setup: _Setup) -> torch.Tensor:
+    """The transpose of :func:`_gather`: every rank's gradient of the gathered tensor summed, this rank's part."""
+    whole = grad.movedim(2, 0).contiguous()
+    if dist.get_backend(setup.group) == "gloo":  # gloo has no reduce-scatter: sum everywhere, keep this rank's part
+        dist.all_reduce(whole, group=setup.group)
+        part = whole.chunk(setup.size)[setup.rank]
+    else:
+        part = whole.new_empty((whole.shape[0] // setup.size, *whole.shape[1:]))
+        dist.reduce_scatter_single(part, whole, group=setup.group)
+    return part.movedim(0, 2)
+
+
+# The attention of one layer is one custom operator (``vescale::cp_attention``): torch.export (the pipeline split of
+# vescale.pipe) keeps it as a single node, so a pipeline stage cut from a captured graph still gathers over cp when it
+# runs, and its backward (blockwise, then one reduce-scatter) is registered with it. The cp group travels as an int
+# key into _SETUP_KEYS (an operator takes no process group).
+_SETUP_KEYS: dict[int, _Setup] = {}
+
+
+def _setup_key(setup: _Setup) -> int:
+    key = next((k for k, s in _SETUP_KEYS.items()
+                if s.group is setup.group and (s.size, s.rank) == (setup.size, setup.rank)), None)
+    if key is None:
+        key = len(_SETUP_KEYS)
+        _SETUP_KEYS[key] = setup
+    return key
+
+
+@torch.library.custom_op("vescale::cp_attention", mutates_args=())
+def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup_key: int, scale: float,
+                  window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, gathered keys, gathered values, lse)``: this rank's queries against the whole sequence (the last three
+    are kept for backward)."""
+    setup = _SETUP_KEYS[setup_key]
+    keys, values = _gather(k, setup), _gather(v, setup)
+    out, lse = chunked_forward(q, keys, values, ChunkLayout(setup.size, setup.rank, q.shape[2] // 2), scale, window)
+    return out, keys, values, lse
+
+
+@_cp_attention.register_fake
+def _(q, k, v, setup_key, scale, window):
+    b, h, t, d = q.shape
+    size = _SETUP_KEYS[setup_key].size
+    gathered = (b, k.shape[1], size * k.shape[2], d)
+    return (attention_output(q), k.new_empty(gathered), v.new_empty(gathered),
+            q.new_empty((b, k.shape[1], h // k.shape[1], t, 1), dtype=torch.promote_types(q.dtype, torch.float32)))
+
+
+def _cp_attention_setup(ctx, inputs, output):
+    q, _, _, setup_key, scale, window = inputs
+    out, keys, values, lse = output
+    ctx.save_for_backward(q, keys, values, out, lse)
+    ctx.setup_key, ctx.scale, ctx.window = setup_key, scale, window
+
+
+def _cp_attention_backward(ctx, grad_out, *unused):
+    q, keys, values, out, lse = ctx.saved_tensors
+    setup = _SETUP_KEYS[ctx.setup_key]
+    layout = ChunkLayout(setup.size, setup.rank, q.shape[2] // 2)
+    dq, dkeys, dvalues = chunked_backward(grad_out, q, keys, values, out, lse, layout, ctx.scale, ctx.window)
+    return dq, _reduce_scatter(dkeys, setup), _reduce_scatter(dvalues, setup), None, None, None
+
+
+_cp_attention.register_autograd(_cp_attention_backward, setup_context=_cp_attention_setup)
+
+
+def _local_heads(t: torch.Tensor, out_head_dim: int):
+    """(local tensor, rewrap) for an attention operand that may be a DTensor sharded by heads (dim 1) over tp; the
+    rewrap puts a result whose head dim is ``out_head_dim`` back on the same mesh."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(t, DTensor):
@@ -145,8 +203,7 @@ def _local_heads(t: torch.Tensor):
         raise ContextParallelError(f"context parallel attention takes heads sharded (Shard(1)) or replicated over tp; "
                                    f"got placements {placements}")
     mesh = t.device_mesh
-    # the output is [B, S, H, D]: the head dim moves from 1 to 2
-    out_placements = tuple(Shard(2) if isinstance(p, Shard) else p for p in placements)
+    out_placements = tuple(Shard(out_head_dim) if isinstance(p, Shard) else p for p in placements)
     return t.to_local(), lambda out: DTensor.from_local(out, mesh, out_placements, run_check=False)
 
 
@@ -162,34 +219,37 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
         raise ContextParallelError(f"{type(module).__name__}: soft-capped or sink attention is not supported under "
                                    f"context parallelism")
-    q, wrap = _local_heads(query)
-    k, _ = _local_heads(key)
-    v, _ = _local_heads(value)
+    q, wrap = _local_heads(query, 2)  # transformers' attention returns [B, S, H, D]
+    k, _ = _local_heads(key, 2)
+    v, _ = _local_heads(value, 2)
     with capture_suspended():  # plain per-rank tensors from here on, also inside a tensor-parallel forward
         out = _local_attention(q, k, v, setup, scaling, kwargs.get("sliding_window"))
-    return wrap(out), None
+    return wrap(out.transpose(1, 2).contiguous()), None
+
+
+def _hook_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, module: nn.Module,
+                    setup_key: int) -> torch.Tensor:
+    """The ``causal_attention`` method of a hook model's attention module under cp: ``[B, H, T_local, D]``. (It
+    holds the cp group by key, not itself: the pipeline split deep-copies the model, and a process group is not
+    copyable.)"""
+    setup = _SETUP_KEYS[setup_key]
+    if module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()):
+        raise ContextParallelError(f"{type(module).__name__} has dropout in training; under context parallelism it is "
+                                   f"not supported (its random mask would not equal one device's): set it to 0")
+    q, wrap = _local_heads(q, 1)
+    k, _ = _local_heads(k, 1)
+    v, _ = _local_heads(v, 1)
+    with capture_suspended():
+        out = _local_attention(q, k, v, setup, None, None)
+    return wrap(out)
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: _Setup, scaling: float | None,
                      window: int | None) -> torch.Tensor:
-    """``[B, S_local, H, D]``: queries ``q`` (this rank's positions) against the whole sequence's keys and values."""
-    seq_len = q.shape[2] * setup.size
-    k = _GatherSequence.apply(k, setup.group, setup.size)
-    v = _GatherSequence.apply(v, setup.group, setup.size)
+    """``[B, H, S_local, D]``: queries ``q`` (this rank's positions) against the whole sequence's keys and values,
+    gathered over cp, block by block (:func:`~vescale.parallel.chunked_attention.chunked_forward`)."""
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if setup.attn_implementation == "eager":  # transformers' eager arithmetic: softmax in fp32
-        allowed = _mask(seq_len, setup.size, setup.rank, window, str(q.device), torch.bool)
-        if q.shape[1] != k.shape[1]:  # grouped key/value heads
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3)) * scale
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v)
-    else:  # grouped key/value heads stay grouped: the kernel reads them without a repeated copy kept for backward
-        mask = _mask(seq_len, setup.size, setup.rank, window, str(q.device), q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(1, 2).contiguous()
+    return _cp_attention(q, k, v, _setup_key(setup), float(scale), window)[0]
 
 
 def _no_mask(*args, **kwargs):
@@ -207,29 +267,66 @@ def _register() -> None:
 
 
 def context_parallel(model: nn.Module, mesh) -> nn.Module:
-    """Run ``model`` (a transformers causal LM, possibly already tensor-parallel) with its sequences sharded over the
-    ``cp`` dim of ``mesh`` (a 1-D mesh, or one with a ``cp`` dim); return it, its ``forward`` wrapped in place.
+    """Run ``model`` (a transformers causal LM, or a model following the causal-attention hook; possibly already
+    tensor-parallel) with its sequences sharded over the ``cp`` dim of ``mesh`` (a 1-D mesh, or one with a ``cp``
+    dim); return it, its ``forward`` wrapped in place.
 
-    Every cp rank calls the model with the same whole batch (``input_ids`` ``[B, S]`` with ``S`` divisible by
-    ``2 * cp``, optional ``labels`` and ``position_ids`` of the same shape, an all-ones ``attention_mask`` or none);
-    the output's ``logits`` hold this rank's positions (:func:`local_positions` order) and its ``loss`` this rank's
-    share (see the module docstring): mean the losses and the gradients over cp to get one device's.
+    Every cp rank calls the model with the same whole batch: a transformers model with ``input_ids`` ``[B, S]`` (``S``
+    divisible by ``2 * cp``), optional ``labels`` and ``position_ids`` of the same shape, an all-ones
+    ``attention_mask`` or none; a hook model with ``tokens`` ``[B, S]``. The output (``logits``) holds this rank's
+    positions (:func:`local_positions` order) and a transformers model's ``loss`` this rank's share (see the module
+    docstring): mean the losses and the gradients over cp to get one device's.
     """
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
-        raise ContextParallelError(f"context_parallel takes a transformers model (with a config); got "
-                                   f"{type(model).__name__}")
-    own = config._attn_implementation or "sdpa"
-    if own not in ("sdpa", "eager"):
+    hf = config is not None and hasattr(config, "_attn_implementation")
+    hooks = [] if hf else [m for m in model.modules() if callable(getattr(m, HOOK_NAME, None))]
+    if not hf and not hooks:
+        raise ContextParallelError(f"context_parallel takes a transformers model (with a config) or a model whose "
+                                   f"attention modules compute through a {HOOK_NAME}(q, k, v) method; "
+                                   f"{type(model).__name__} is neither")
+    if hooks and "positions" not in inspect.signature(model.forward).parameters:
+        raise ContextParallelError(f"{type(model).__name__}.forward takes no `positions` argument: under context "
+                                   f"parallelism each rank's tokens need their global positions")
+    if hf and (config._attn_implementation or "sdpa") not in ("sdpa", "eager"):
         raise ContextParallelError(f"context_parallel supports the sdpa and eager attention implementations; the model "
-                                   f"uses {own!r}")
+                                   f"uses {config._attn_implementation!r}")
     group = _cp_group(mesh)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if hooks:
+        key = _setup_key(_Setup(group, size, rank))
+        for module in hooks:  # an instance attribute: the class's method stays the single-device arithmetic
+            setattr(module, HOOK_NAME, functools.partial(_hook_attention, module=module, setup_key=key))
+        model.forward = _hook_forward(model, size, rank)
+        return model
     _register()
-    _SETUPS[id(config)] = _Setup(weakref.ref(config), group, size, rank, own)
+    _SETUPS[id(config)] = _Setup(group, size, rank, weakref.ref(config))
     weakref.finalize(config, _SETUPS.pop, id(config), None)
     config._attn_implementation = ATTENTION_NAME  # from now on: every attention layer goes through _attention
+    model.forward = _hf_forward(model.forward, size, rank)
+    return model
+
+
+def _hook_forward(model: nn.Module, size: int, rank: int):
+    """A hook model's ``forward``: this rank's tokens at their global positions. A method bound to ``model`` (over
+    the unbound function of the forward it wraps, where that is a method of ``model``), so that a deep copy of the
+    model (the pipeline split traces one) runs the copy's own forward."""
     inner = model.forward
+    unbound = inner.__func__ if isinstance(inner, types.MethodType) and inner.__self__ is model else None
+
+    @functools.wraps(inner)
+    def forward(self, tokens: torch.Tensor, *args, positions: torch.Tensor | None = None, **kwargs):
+        seq_len = tokens.shape[1]
+        index = local_positions(seq_len, size, rank).to(tokens.device)  # refuses a length not in 2 x cp chunks
+        if positions is None:
+            positions = torch.arange(seq_len, device=tokens.device)
+        call = functools.partial(unbound, self) if unbound is not None else inner
+        return call(tokens[:, index].contiguous(), *args, positions=positions[..., index].contiguous(), **kwargs)
+
+    return types.MethodType(forward, model)
+
+
+def _hf_forward(inner, size: int, rank: int):
+    """A transformers model's ``forward``: this rank's tokens, positions and shifted labels, its loss share."""
 
     @functools.wraps(inner)
     def forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
@@ -255,8 +352,7 @@ def context_parallel(model: nn.Module, mesh) -> nn.Module:
         return inner(input_ids=input_ids[:, index].contiguous(), position_ids=position_ids[..., index].contiguous(),
                      **kwargs)
 
-    model.forward = forward
-    return model
+    return forward
 
 
 def gather_sequence(local: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:

@@ -11,23 +11,31 @@ over the dp group, as a single device would compute them for the whole batch.
 ``zero_stage=0/1`` all-reduce buckets (every rank holds the averaged gradient); ``zero_stage=2`` reduce-scatters
 them, so each rank only holds the averaged gradient of its own contiguous 1/dp slice of every bucket (see
 :class:`~vescale.parallel.DistributedOptimizer`, which owns those slices).
+
+``data_dims`` (expert parallelism): mesh dims of the parameters' own DTensor mesh over which the batch is split as
+over dp (``ep``: each ep rank runs the dense layers on its own rows). A parameter replicated on such a dim gets a
+``Partial`` gradient there; DDP sums it over that dim in the same bucketed reduction as over dp (one flat group,
+dp x ep), instead of one all-reduce per parameter. A parameter sharded on it (an expert, ``Shard(0)`` on ep) has its
+complete gradient already (the all-to-all brought every ep rank's tokens to it) and is reduced over dp only. Each
+group of parameters reduced over the same dims gets its own buffers and buckets (see :class:`_Reduction`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from vescale.core.mesh import dim_group
-from vescale.core.torch_internals import local_tensor, queue_end_of_backward
+from vescale.core.mesh import dim_group, sub_mesh
+from vescale.core.torch_internals import flattened_mesh, local_tensor, queue_end_of_backward
 from vescale.parallel.errors import DDPError
 
 __all__ = ["DistributedDataParallel"]
@@ -86,13 +94,38 @@ class _Bucket:
 
 
 @dataclass(eq=False)
+class _Reduction:
+    """The group a set of parameters' gradients is reduced over: dp, or dp and ``data_dims`` flattened.
+
+    ``name`` is ``"dp"`` or the dims joined by ``+`` (``"dp+ep"``), the key gradient clipping sums ZeRO shards under.
+    ``summed`` names the data dims reduced here besides dp: gradients are summed there (they are ``Partial`` sums)
+    and averaged over dp.
+    """
+
+    name: str
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    summed: tuple[str, ...] = ()
+    dp_size: int = 1
+
+    def reduce_op(self, data: torch.Tensor):
+        """The op to reduce ``data`` with (pre-scaling it in place when it must be summed over data dims)."""
+        if not self.summed:
+            return dist.ReduceOp.AVG
+        data.div_(self.dp_size)  # sum over the data dims, average over dp
+        return dist.ReduceOp.SUM
+
+
+@dataclass(eq=False)
 class _GradBuffer:
-    """One flat gradient buffer holding every parameter of one (param dtype, grad dtype) pair."""
+    """One flat gradient buffer holding every parameter of one (reduction, param dtype, grad dtype) triple."""
 
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
     data: torch.Tensor
     buckets: list[_Bucket] = field(default_factory=list)
+    reduction: _Reduction | None = None
 
 
 class DistributedDataParallel(nn.Module):
@@ -123,11 +156,16 @@ class DistributedDataParallel(nn.Module):
     waits for all, so every gradient element is still reduced over dp exactly once. ``wait_in_backward=False``
     leaves the reductions in flight at the end of backward in any case (for a caller with more work after it, a
     pipeline sending gradients upstream); then call :meth:`finish_grad_sync` before reading the gradients.
+
+    ``data_dims`` (e.g. ``("ep",)`` for :func:`~vescale.parallel.parallelize_experts`): dims of ``mesh`` (which then
+    must be a DeviceMesh with dp and those dims) that are also dims of every parameter's DTensor mesh and split the
+    batch. Parameters replicated there are reduced over dp x those dims (summed over them, averaged over dp), the
+    others over dp only (see the module docstring). With ZeRO each group's buckets are sharded over its own ranks.
     """
 
     def __init__(self, module: nn.Module, mesh, *, bucket_size_mb: float = 25, overlap: bool = True,
                  grad_dtype: torch.dtype | None = torch.float32, zero_stage: int = 0,
-                 late_params=(), wait_in_backward: bool = True) -> None:
+                 late_params=(), wait_in_backward: bool = True, data_dims: Sequence[str] = ()) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2):
             hint = " (ZeRO 3 is torch's fully_shard over the dp sub-mesh; see the README)" if zero_stage == 3 else ""
@@ -150,6 +188,8 @@ class DistributedDataParallel(nn.Module):
         self._dirty = False  # some gradient reached the buffer since the last finish_grad_sync
         self.wait_in_backward = wait_in_backward
         self._validate(module)
+        self.data_dims = tuple(data_dims)
+        self._reductions = self._plan_reductions(module, mesh)
         self._late = {id(p) for p in late_params}
         self.grad_buffers: list[_GradBuffer] = []
         self.buckets: list[_Bucket] = []
@@ -164,6 +204,13 @@ class DistributedDataParallel(nn.Module):
         self._grad_accs = [get_gradient_edge(slot.param).node for slot in self.slots.values()]
         self._hooks = [acc.register_hook(self._make_hook(slot))
                        for acc, slot in zip(self._grad_accs, self.slots.values())]
+        # Gradients summed over data dims by the bucket: keep their Partial local values (see _as_summand)
+        for acc, slot in zip(self._grad_accs, self.slots.values()):
+            summed = slot.buffer.reduction.summed
+            if summed:
+                dims = tuple(slot.param.device_mesh.mesh_dim_names.index(d) for d in summed)
+                self._hooks.append(acc.register_prehook(functools.partial(_summand_prehook, param=slot.param,
+                                                                          dims=dims)))
 
     # -- construction ---------------------------------------------------------------------------------------------
 
@@ -182,15 +229,55 @@ class DistributedDataParallel(nn.Module):
                 raise DDPError(f"parameter {fqn!r} is on {local.device} but others are on {device}")
             device = local.device
 
+    def _plan_reductions(self, module: nn.Module, mesh) -> dict[int, _Reduction]:
+        """``{id(param): its _Reduction}``; checks ``data_dims`` against ``mesh`` and every parameter (local, no
+        collective: a bad layout raises DDPError on every rank)."""
+        dp = _Reduction(self.dp_dim_name, self.dp_group, self.dp_size, self.dp_rank)
+        params = [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad]
+        if not self.data_dims:
+            return {id(p): dp for _, p in params}
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        missing = [d for d in (self.dp_dim_name, *self.data_dims) if d not in names]
+        if missing or self.dp_dim_name in self.data_dims:
+            raise DDPError(f"data_dims {list(self.data_dims)} need a DeviceMesh with dims {self.dp_dim_name!r} and "
+                           f"{list(self.data_dims)} (distinct), got {list(names) or type(mesh).__name__}")
+        groups = {d: dist.get_process_group_ranks(sub_mesh(mesh, d).get_group()) for d in self.data_dims}
+        keys: dict[int, tuple[str, ...]] = {}
+        for fqn, p in params:  # every check first, then the groups (creating one is collective)
+            pnames = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+            summed = []
+            for d in self.data_dims:
+                if d not in pnames:
+                    raise DDPError(f"parameter {fqn!r} is not a DTensor over data dim {d!r} (its mesh dims: "
+                                   f"{list(pnames)}); parallelize the model over {d!r} before wrapping it")
+                i = pnames.index(d)
+                if dist.get_process_group_ranks(p.device_mesh.get_group(i)) != groups[d]:
+                    raise DDPError(f"parameter {fqn!r}: its mesh dim {d!r} holds ranks "
+                                   f"{dist.get_process_group_ranks(p.device_mesh.get_group(i))}, the DDP mesh's "
+                                   f"{groups[d]}; build both from the same mesh")
+                if isinstance(p.placements[i], Replicate):
+                    summed.append(d)
+            keys[id(p)] = tuple(summed)
+        by_dims: dict[tuple[str, ...], _Reduction] = {(): dp}
+        for key in sorted(set(keys.values())):  # the same order on every rank
+            if key not in by_dims:
+                flat = flattened_mesh(sub_mesh(mesh, self.dp_dim_name, *key)).get_group()
+                by_dims[key] = _Reduction("+".join((self.dp_dim_name, *key)), flat, dist.get_world_size(flat),
+                                          dist.get_rank(flat), key, self.dp_size)
+        return {pid: by_dims[key] for pid, key in keys.items()}
+
     def _build_buffers(self, module: nn.Module) -> None:
         # Backward visits parameters roughly in reverse registration order: fill buckets in that order so the first
         # bucket completes first.
         params = [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad][::-1]
-        by_dtype: dict[tuple[bool, torch.dtype, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+        by_dtype: dict[tuple[bool, str, torch.dtype, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
         for fqn, p in params:
-            by_dtype.setdefault((id(p) in self._late, p.dtype, self.grad_dtype or p.dtype), []).append((fqn, p))
+            key = (id(p) in self._late, self._reductions[id(p)].name, p.dtype, self.grad_dtype or p.dtype)
+            by_dtype.setdefault(key, []).append((fqn, p))
         # late parameters' buffers (and so buckets) come after all the others
-        for (_, pdtype, gdtype), group in sorted(by_dtype.items(), key=lambda kv: kv[0][0]):
+        for (_, _, pdtype, gdtype), group in sorted(by_dtype.items(), key=lambda kv: kv[0][0]):
+            reduction = self._reductions[id(group[0][1])]
+            size = reduction.size
             elem = torch.empty((), dtype=gdtype).element_size()
             layout: list[tuple[int, int, list[tuple[str, nn.Parameter, int]]]] = []  # (start, end, members)
             offset, members, bucket_start = 0, [], 0
@@ -199,20 +286,20 @@ class DistributedDataParallel(nn.Module):
                 members.append((fqn, p, offset))
                 offset += n
                 if (offset - bucket_start) * elem >= self.bucket_bytes:
-                    end = bucket_start + _round_up(offset - bucket_start, self.dp_size)
+                    end = bucket_start + _round_up(offset - bucket_start, size)
                     layout.append((bucket_start, end, members))
                     offset = bucket_start = end
                     members = []
             if members:
-                end = bucket_start + _round_up(offset - bucket_start, self.dp_size)
+                end = bucket_start + _round_up(offset - bucket_start, size)
                 layout.append((bucket_start, end, members))
                 offset = end
             device = local_tensor(group[0][1]).device
-            buf = _GradBuffer(pdtype, gdtype, torch.zeros(offset, dtype=gdtype, device=device))
+            buf = _GradBuffer(pdtype, gdtype, torch.zeros(offset, dtype=gdtype, device=device), reduction=reduction)
             for start, end, mem in layout:
                 bucket = _Bucket(len(self.buckets), buf, start, end)
                 if self.zero_stage == 2:
-                    bucket.shard_grad = torch.zeros(bucket.numel // self.dp_size, dtype=gdtype, device=device)
+                    bucket.shard_grad = torch.zeros(bucket.numel // size, dtype=gdtype, device=device)
                 for fqn, p, off in mem:
                     local = local_tensor(p)
                     slot = _Slot(fqn, p, buf, bucket, off, local.numel(), local.shape)
@@ -279,16 +366,17 @@ class DistributedDataParallel(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        data = bucket.data()
-        if self.dp_size == 1:
+        data, reduction = bucket.data(), bucket.buffer.reduction
+        if reduction.size == 1:
             bucket.work = None
             if bucket.shard_grad is not None:
                 bucket.shard_grad.copy_(data)
         elif bucket.shard_grad is not None:
-            bucket.work = _reduce_scatter(bucket.shard_grad, data, op=dist.ReduceOp.AVG, group=self.dp_group,
-                                          async_op=True)
+            op = reduction.reduce_op(data)
+            bucket.work = _reduce_scatter(bucket.shard_grad, data, op=op, group=reduction.group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(data, op=dist.ReduceOp.AVG, group=self.dp_group, async_op=True)
+            op = reduction.reduce_op(data)
+            bucket.work = dist.all_reduce(data, op=op, group=reduction.group, async_op=True)
         bucket.launched = True
         self._next_launch = bucket.index + 1
 
@@ -372,10 +460,10 @@ class DistributedDataParallel(nn.Module):
         self.finish_grad_sync()
         out: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
-            data = bucket.data()
-            if bucket.shard_grad is not None and self.dp_size > 1:
+            data, reduction = bucket.data(), bucket.buffer.reduction
+            if bucket.shard_grad is not None and reduction.size > 1:
                 data = torch.empty_like(data)
-                _all_gather(data, bucket.shard_grad, group=self.dp_group)
+                _all_gather(data, bucket.shard_grad, group=reduction.group)
             elif bucket.shard_grad is not None:
                 data = bucket.shard_grad
             for slot in bucket.slots:
@@ -420,6 +508,34 @@ class DistributedDataParallel(nn.Module):
         total += sum(b.shard_grad.numel() * b.shard_grad.element_size() for b in self.buckets
                      if b.shard_grad is not None)
         return total
+
+
+def _summand_prehook(grad_outputs, *, param: DTensor, dims: tuple[int, ...]):
+    """Before accumulation: the incoming gradient as this rank's summand over mesh ``dims`` (see
+    :func:`_as_summand`), so that the parameter's own hook (``parallelize_module`` brings ``.grad`` to the
+    parameter's placements) does not all-reduce it there: the bucket does."""
+    grad = grad_outputs[0]
+    if not isinstance(grad, DTensor):
+        return None
+    return (_as_summand(grad, param.device_mesh, dims),) + tuple(grad_outputs[1:])
+
+
+def _as_summand(grad: DTensor, mesh, dims: tuple[int, ...]) -> DTensor:
+    """``grad`` labelled ``Replicate`` on mesh ``dims`` with local values whose sum over those dims is its value.
+
+    A ``Partial`` sum there keeps its local values (no communication). Any other layout there (``Replicate``, a
+    ``Shard``, another partial kind) is first made ``Replicate`` on those dims and then kept by the ranks at
+    coordinate 0 of all of them, zeros elsewhere, which is exact. Other dims are left as they are.
+    """
+    placements = list(grad.placements)
+    other = [i for i in dims if not (type(placements[i]) is Partial and placements[i].reduce_op == "sum")]
+    if other:
+        grad = grad.redistribute(mesh, [Replicate() if i in other else p for i, p in enumerate(placements)])
+    local = local_tensor(grad)
+    if any(mesh.get_local_rank(i) != 0 for i in other):
+        local = torch.zeros_like(local)
+    labelled = [Replicate() if i in dims else p for i, p in enumerate(grad.placements)]
+    return DTensor.from_local(local, mesh, labelled, run_check=False, shape=grad.shape, stride=grad.stride())
 
 
 def _round_up(n: int, k: int) -> int:

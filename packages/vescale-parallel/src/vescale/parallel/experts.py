@@ -18,10 +18,20 @@ The layout (what each rank holds and computes):
   (token, choice) pair to the rank holding its expert with one variable-split ``all_to_all_single`` over ``ep``, runs
   the module's *own* forward on the received tokens with this rank's experts, sends the results back with a second
   all-to-all, and sums them weighted by the router's weights. Backward runs the two all-to-alls in reverse, so each
-  expert's gradient gathers every ep rank's tokens. No token is dropped (no capacity factor).
+  expert's gradient gathers every ep rank's tokens. By default no token is dropped.
+- ``capacity_factor=cf`` (a separate mode, off by default): each expert takes at most ``C = ceil(cf * N * k / E)``
+  of the ``N`` tokens of each rank's batch (``k`` choices per token, ``E`` experts), decided on that rank before
+  any communication (:func:`capacity_keep`). The order is deterministic: a rank's (token, choice) pairs are ranked
+  choice-major (every token's first choice, in token order, before any second choice), and each expert keeps the
+  first ``C`` pairs that chose it. A dropped pair is neither sent nor computed; it adds nothing to its token's output
+  (the other choices keep their router weights, not renormalised) and gets no gradient, as if its router weight
+  were zero; the block's residual connection carries the token on.
 - Routing (top-k, softmax, normalisation, the load-balancing loss and its coefficient) is the model's own code,
   run on DTensors over the global batch, so it is what one device computes on the whole batch.
-- Expert gradients are reduced over ``dp`` (the ranks holding the same experts), never over ``ep``.
+- Expert gradients are reduced over ``dp`` (the ranks holding the same experts), never over ``ep``. With vescale's
+  DDP / ZeRO instead of a DTensor ``dp`` dim: parallelize over the ``ep`` (and ``tp``) sub-mesh and wrap the model in
+  ``DistributedDataParallel(model, mesh, data_dims=("ep",))``, which reduces the dense gradients over dp x ep and the
+  experts' over dp, bucketed (see :mod:`vescale.parallel.ddp`).
 
 Other mesh dims compose through the plan given for the dense part (any plan of
 :func:`~vescale.parallel.parallelize_module` over the same mesh, e.g. ``mixtral_plan(mesh)`` for TP on attention and
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 import weakref
 from collections.abc import Mapping
@@ -46,7 +57,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from vescale.parallel.errors import ExpertParallelError
 
-__all__ = ["parallelize_experts", "expert_parallel_plan", "find_experts", "ExpertsInfo", "ExpertParallelError"]
+__all__ = ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "ExpertsInfo",
+           "ExpertParallelError"]
 
 
 
@@ -240,19 +252,44 @@ def _num_experts(module: nn.Module, num: int):
         module.num_experts = saved
 
 
+def capacity_keep(top_k_index: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
+    """Which (token, choice) pairs of one rank's batch its experts take under ``capacity_factor``: a bool ``[N, k]``.
+
+    ``top_k_index [N, k]`` holds the experts the router chose for this rank's ``N`` tokens. Each expert takes at most
+    ``C = ceil(capacity_factor * N * k / num_experts)`` pairs, the first ``C`` that chose it in choice-major order
+    (all first choices in token order, then all second choices, ...). Local and deterministic; no collective.
+    """
+    n, k = top_k_index.shape
+    capacity = math.ceil(capacity_factor * n * k / num_experts)
+    by_priority = top_k_index.t().reshape(-1)  # pair j * N + t: token t's choice j
+    order = torch.argsort(by_priority, stable=True)  # grouped by expert, priority order within each expert
+    counts = torch.bincount(by_priority, minlength=num_experts)
+    first = torch.cumsum(counts, 0) - counts  # where each expert's group starts in ``order``
+    slot = torch.arange(order.numel(), device=order.device) - first[by_priority[order]]
+    keep = torch.empty_like(by_priority, dtype=torch.bool)
+    keep[order] = slot < capacity
+    return keep.view(k, n).t()
+
+
 def _ep_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
-                orig, module: nn.Module, num_experts: int, group) -> torch.Tensor:
+                orig, module: nn.Module, num_experts: int, group,
+                capacity_factor: float | None = None) -> torch.Tensor:
     """The experts' forward on this rank's tokens (plain tensors), with the experts spread over ``group``.
 
     ``hidden_states [N, D]``, ``top_k_index [N, k]`` (global expert ids) and ``top_k_weights [N, k]`` are this rank's
-    tokens; the module's own parameters are this rank's ``E / ep`` experts. Issues three ``all_to_all_single`` over
-    ``group`` in forward (counts, expert ids, tokens) and one more to return the results; two in backward.
+    tokens; the module's own parameters are this rank's ``E / ep`` experts. With ``capacity_factor`` only the pairs
+    :func:`capacity_keep` keeps are dispatched. Issues three ``all_to_all_single`` over ``group`` in forward (counts,
+    expert ids, tokens) and one more to return the results; two in backward.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     per_rank = num_experts // world
     n, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, so by destination rank
+    if capacity_factor is None:
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, so by destination rank
+    else:
+        kept = torch.nonzero(capacity_keep(top_k_index, num_experts, capacity_factor).reshape(-1)).squeeze(1)
+        order = kept[torch.argsort(flat[kept], stable=True)]
     expert = flat[order]
     token = torch.div(order, k, rounding_mode="floor")
     send = torch.bincount(torch.div(expert, per_rank, rounding_mode="floor"), minlength=world)
@@ -282,12 +319,12 @@ def _ep_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 _DISTRIBUTED: weakref.WeakSet = weakref.WeakSet()
 
 
-def _install_dispatch(info: ExpertsInfo, group) -> None:
+def _install_dispatch(info: ExpertsInfo, group, capacity_factor: float | None) -> None:
     module = info.module
     _DISTRIBUTED.add(module)
     orig = module.forward
     module.forward = functools.partial(_ep_forward, orig=orig, module=module, num_experts=info.num_experts,
-                                       group=group)
+                                       group=group, capacity_factor=capacity_factor)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,7 +333,7 @@ def _install_dispatch(info: ExpertsInfo, group) -> None:
 
 
 def parallelize_experts(module: nn.Module, mesh, plan: Mapping | None = None, *, ep: str = "ep",
-                        dp: str = "dp") -> nn.Module:
+                        dp: str = "dp", capacity_factor: float | None = None) -> nn.Module:
     """Distribute ``module``'s experts over mesh dim ``ep`` and parallelize the rest by ``plan``; return ``module``.
 
     ``mesh`` is the whole mesh (e.g. ``init_mesh("dp=2,ep=2,tp=2")``); ``plan`` is the plan for the dense part over
@@ -308,12 +345,16 @@ def parallelize_experts(module: nn.Module, mesh, plan: Mapping | None = None, *,
     the loss and the load-balancing loss of the whole batch, and every parameter's gradient.
 
     ``dp`` names the data-parallel mesh dim the batch is sharded on when ``plan`` is None (a given plan says that
-    itself). Errors (:class:`ExpertParallelError`, :class:`~vescale.core.errors.PlanError`) are raised on every rank
-    before any collective; so is one for a model whose experts were already distributed.
+    itself). ``capacity_factor`` (None: no token dropped) caps the tokens each expert takes from each rank's batch
+    (see the module docstring; a positive number). Errors (:class:`ExpertParallelError`,
+    :class:`~vescale.core.errors.PlanError`) are raised on every rank before any collective; so is one for a model
+    whose experts were already distributed.
     """
     from vescale.core.mesh import dim_group
     from vescale.parallel.parallelize import parallelize_module
 
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
+        raise ExpertParallelError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
     experts = find_experts(module)
     done = [e.fqn for e in experts if e.module in _DISTRIBUTED]
     if done:
@@ -321,6 +362,6 @@ def parallelize_experts(module: nn.Module, mesh, plan: Mapping | None = None, *,
     full_plan = expert_parallel_plan(module, mesh, plan, ep=ep, dp=dp, experts=experts)
     group, _ = dim_group(mesh, ep)
     for info in experts:
-        _install_dispatch(info, group)
+        _install_dispatch(info, group, capacity_factor)
     return parallelize_module(module, mesh, full_plan)
 

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from vescale.core import torch_internals
 from vescale.parallel.factory import capture_paused, capture_resumed, capture_suspended
 
-__all__ = ["make_local", "fast_block", "fast_path", "in_fast_block", "FastBlock", "FAST_BLOCKS"]
+__all__ = ["make_local", "fast_block", "fast_layer", "fast_path", "in_fast_block", "FastBlock", "FastLayer",
+           "FAST_BLOCKS", "FAST_LAYERS"]
 
 
 def make_local(module: nn.Module, mesh, grad_spec, out_spec, fqn: str) -> None:
@@ -112,11 +113,18 @@ for _family, _name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mist
     FAST_BLOCKS[(_path, f"{_name}Attention")] = ("attention", ("q_proj", "k_proj", "v_proj"), "o_proj")
     if _family != "mixtral":  # Mixtral's MLP is a mixture of experts
         FAST_BLOCKS[(_path, f"{_name}MLP")] = ("mlp", ("gate_proj", "up_proj"), "down_proj")
+#: Decoder layers (exact type) whose ``forward`` is pre-norm residual: ``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``,
+#: with RMSNorms holding one replicated weight. Value: (first norm, attention, second norm, MLP) child names.
+FAST_LAYERS: dict[tuple[str, str], tuple[str, str, str, str]] = {}
+for _family, _name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral")):
+    _path = f"transformers.models.{_family}.modeling_{_family}"
+    FAST_LAYERS[(_path, f"{_name}DecoderLayer")] = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 del _family, _name, _path
 
 _ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 _fast_depth = 0  # > 0 while a fast block runs: the plan's hooks of its submodules stand aside (see in_fast_block)
 _fast_enabled = True
+_layer_group = None  # the tp process group while a FastLayer runs: its blocks take and give plain local tensors
 
 
 def in_fast_block() -> bool:
@@ -158,12 +166,15 @@ class FastBlock:
     redistribution the DTensor path issues there. Attention weights (eager attention) come back sharded by head.
     """
 
-    def __init__(self, module: nn.Module, orig, mesh, k: int, kind: str, params: list[tuple], finish) -> None:
+    def __init__(self, module: nn.Module, orig, mesh, k: int, kind: str, params: list[tuple], finish,
+                 row_placements: tuple | None = None) -> None:
         self.module, self.orig, self.mesh, self.k, self.kind = module, orig, mesh, k, kind
-        self.params, self.finish = params, finish
+        self.params, self.finish, self.row_placements = params, finish, row_placements
         self.local_calls = 0  # how many calls took the fast path (for tests and benchmarks)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _layer_group is not None and not isinstance(self._input(args, kwargs), DTensor):
+            return self._run_in_layer(args, kwargs)
         if torch.compiler.is_compiling() or not self._applies(args, kwargs):
             return self.orig(*args, **kwargs)
         params = self._params()
@@ -179,33 +190,38 @@ class FastBlock:
     def _applies(self, args: tuple, kwargs: dict) -> bool:
         from vescale.dtensor.strict import is_strict
 
-        if not _fast_enabled or is_strict():
+        if not _fast_enabled or is_strict() or not self._module_applies():
             return False
+        x = self._input(args, kwargs)
+        return (isinstance(x, DTensor) and x.device_mesh == self.mesh
+                and _batch_or_replicated(tuple(x.placements), self.k) and _arguments_apply(args, kwargs, x, self.mesh))
+
+    def _module_applies(self) -> bool:
+        """The module's own runtime conditions: attention without active dropout, with a supported implementation."""
         m = self.module
         if self.kind == "attention":
             if m.training and m.attention_dropout:
                 return False
             if m.config._attn_implementation not in _ATTENTION_IMPLEMENTATIONS:
                 return False
-        x = self._input(args, kwargs)
-        if not isinstance(x, DTensor) or x.device_mesh != self.mesh:
-            return False
-        placements = tuple(x.placements)
-        if not _batch_or_replicated(placements, self.k):
-            return False
-        for v in (*args, *kwargs.values()):
-            for t in (v if isinstance(v, (tuple, list)) else (v,)):
-                if not isinstance(t, torch.Tensor) or t is x:
-                    continue
-                if t.requires_grad or not isinstance(t, DTensor) or t.device_mesh != self.mesh:
-                    return False
-                if tuple(t.placements) != placements:
-                    return False
-        for key in _CACHE_KEYS:
-            cache = kwargs.get(key)
-            if cache is not None and not callable(getattr(cache, "update", None)):
-                return False
         return True
+
+    def _run_in_layer(self, args: tuple, kwargs: dict) -> Any:
+        """Inside a :class:`FastLayer`: the input is this rank's replicated local activation and the parameters are
+        already local; Megatron's two operators bound the block (identity forward / all-reduce backward on entry,
+        all-reduce forward / identity backward on exit), so what leaves is the replicated local activation again."""
+        x = self._input(args, kwargs)
+        entered = _EnterGroup.apply(x, _layer_group)
+        if args:
+            args = (entered, *args[1:])
+        else:
+            kwargs = {**kwargs, ("hidden_states" if self.kind == "attention" else "x"): entered}
+        self.local_calls += 1
+        out = self.orig(*args, **kwargs)
+        if self.kind == "mlp":
+            return _LeaveGroup.apply(out, _layer_group)
+        attn, weights = out
+        return _LeaveGroup.apply(attn, _layer_group), weights
 
     def _params(self) -> list[tuple] | None:
         """``(projection, "weight" | "bias", parameter)`` now, or None if a parameter is no longer on the plan's mesh
@@ -220,56 +236,190 @@ class FastBlock:
         return found
 
     def _run_local(self, args: tuple, kwargs: dict, params: list[tuple]) -> Any:
-        global _fast_depth
         x = self._input(args, kwargs)
         placements = tuple(x.placements)
         grad_in = [Partial() if i == self.k else p for i, p in enumerate(placements)]
-        sharded = {i for i, p in enumerate(placements) if isinstance(p, Shard)}
-
-        def local(v: Any) -> Any:
-            if v is x:
-                return x.to_local(grad_placements=grad_in)
-            if isinstance(v, DTensor):
-                return torch_internals.local_tensor(v)  # needs no gradient (checked)
-            if isinstance(v, (tuple, list)) and any(isinstance(t, DTensor) for t in v):
-                items = [local(t) for t in v]
-                return type(v)(items) if isinstance(v, list) else tuple(items)
-            return v
-
-        args = tuple(local(a) for a in args)
-        kwargs = {key: local(v) for key, v in kwargs.items()}
-        heads = tuple(Shard(1) if i == self.k else p for i, p in enumerate(placements))
-        for key in _CACHE_KEYS:
-            if kwargs.get(key) is not None:
-                kwargs[key] = _CacheOfDTensors(kwargs[key], self.mesh, heads)
+        args, kwargs = _localized(args, kwargs, x, grad_in, self.mesh, self.k)
         self.local_calls += 1
-        # Each projection reads its local weight for this call: an instance attribute shadows the module's registered
-        # parameter (Python finds instance attributes before nn.Module.__getattr__ looks in the parameters), so the
-        # module, its parameters and its state dict stay as they are; much cheaper than reparametrizing the module.
-        shadowed = []
-        _fast_depth += 1
-        try:
-            for owner, attr, t in params:
-                vars(owner)[attr] = t.to_local(grad_placements=[
-                    Partial() if i in sharded and isinstance(p, Replicate) else p for i, p in enumerate(t.placements)])
-                shadowed.append((owner, attr))
-            with capture_paused() as mode:
-                for key in _CACHE_KEYS:
-                    if isinstance(kwargs.get(key), _CacheOfDTensors):
-                        kwargs[key].mode = mode
-                out = self.orig(*args, **kwargs)
-        finally:
-            _fast_depth -= 1
-            for owner, attr in shadowed:
-                del vars(owner)[attr]
+        with _local_parameters(params, placements) as mode:
+            _set_cache_mode(kwargs, mode)
+            out = self.orig(*args, **kwargs)
         partial = tuple(Partial() if i == self.k else p for i, p in enumerate(placements))
         if self.kind == "mlp":
             return self.finish(_FromLocal.apply(out, self.mesh, partial, placements))
         attn, weights = out
         attn = self.finish(_FromLocal.apply(attn, self.mesh, partial, placements))
         if isinstance(weights, torch.Tensor):
+            heads = _heads(placements, self.k)
             weights = _FromLocal.apply(weights, self.mesh, heads, heads)
         return attn, weights
+
+
+class FastLayer:
+    """A pre-norm decoder layer (:data:`FAST_LAYERS`) whose attention and MLP are both :class:`FastBlock` s run whole on
+    local tensors, as Megatron runs it: the norms and residual adds compute on this rank's replicated activation, and
+    each block issues its own collectives explicitly (identity forward / all-reduce backward on entry, all-reduce
+    forward / identity backward on exit; see :meth:`FastBlock._run_in_layer`), so no op in the layer dispatches on a
+    DTensor.
+
+    Built by :func:`fast_layer` only when both blocks are fast on the same mesh dim ``k``, each block's row-parallel
+    output entry makes its result replicated on ``k`` (no sequence parallelism), the norms hold one weight each,
+    replicated on every mesh dim, and no plan entry names the layer or a norm. Per call it checks what both blocks check
+    (see :class:`FastBlock`) plus that the input is placed as both blocks' outputs are; otherwise the layer's own
+    ``forward`` runs, and its blocks decide for themselves.
+
+    Forward values are bitwise those of the DTensor path (the same local kernels and the same all-reduces). Backward
+    reduces a block's input gradient on entry, before the norm's backward, as Megatron does; the DTensor path may carry
+    it as a partial sum through the norm's backward and reduce later, so gradients agree to rounding, not bitwise.
+    """
+
+    def __init__(self, module: nn.Module, orig, mesh, k: int, blocks: tuple, norms: list[tuple]) -> None:
+        self.module, self.orig, self.mesh, self.k, self.blocks, self.norms = module, orig, mesh, k, blocks, norms
+        self.local_calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or _layer_group is not None or not self._applies(args, kwargs):
+            return self.orig(*args, **kwargs)
+        params = self._params()
+        if params is None:
+            return self.orig(*args, **kwargs)
+        return self._run_local(args, kwargs, params)
+
+    @staticmethod
+    def _input(args: tuple, kwargs: dict) -> Any:
+        return args[0] if args else kwargs.get("hidden_states")
+
+    def _applies(self, args: tuple, kwargs: dict) -> bool:
+        from vescale.dtensor.strict import is_strict
+
+        if not _fast_enabled or is_strict() or not all(b._module_applies() for b in self.blocks):
+            return False
+        x = self._input(args, kwargs)
+        if not isinstance(x, DTensor) or x.device_mesh != self.mesh:
+            return False
+        placements = tuple(x.placements)
+        return (_batch_or_replicated(placements, self.k) and all(b.row_placements == placements for b in self.blocks)
+                and _arguments_apply(args, kwargs, x, self.mesh))
+
+    def _params(self) -> list[tuple] | None:
+        found = []
+        for child, attr, placements in self.norms:
+            owner = getattr(self.module, child)
+            t = getattr(owner, attr)
+            if not isinstance(t, DTensor) or t.device_mesh != self.mesh or tuple(t.placements) != placements:
+                return None
+            found.append((owner, attr, t))
+        for block in self.blocks:
+            got = block._params()
+            if got is None:
+                return None
+            found += got
+        return found
+
+    def _run_local(self, args: tuple, kwargs: dict, params: list[tuple]) -> Any:
+        global _layer_group
+        x = self._input(args, kwargs)
+        placements = tuple(x.placements)
+        args, kwargs = _localized(args, kwargs, x, placements, self.mesh, self.k)
+        self.local_calls += 1
+        before, _layer_group = _layer_group, self.mesh.get_group(self.k)
+        try:
+            with _local_parameters(params, placements) as mode:
+                _set_cache_mode(kwargs, mode)
+                out = self.orig(*args, **kwargs)
+        finally:
+            _layer_group = before
+        if isinstance(out, torch.Tensor):
+            return _FromLocal.apply(out, self.mesh, placements, placements)
+        return (_FromLocal.apply(out[0], self.mesh, placements, placements), *out[1:])  # older transformers: a tuple
+
+
+def _heads(placements: tuple, k: int) -> tuple:
+    """Placements of a per-head tensor ``[batch, heads, ...]``: heads sharded on ``k``, the batch as the input's."""
+    return tuple(Shard(1) if i == k else p for i, p in enumerate(placements))
+
+
+def _localized(args: tuple, kwargs: dict, x: DTensor, grad_in, mesh, k: int) -> tuple[tuple, dict]:
+    """The arguments as local tensors: the input differentiably (its gradient taken as ``grad_in``), the others (which
+    need no gradient: checked) as they are; a KV cache wrapped to store head-sharded DTensors (:class:`_CacheOfDTensors`)."""
+
+    def local(v: Any) -> Any:
+        if v is x:
+            return x.to_local(grad_placements=grad_in)
+        if isinstance(v, DTensor):
+            return torch_internals.local_tensor(v)
+        if isinstance(v, (tuple, list)) and any(isinstance(t, DTensor) for t in v):
+            items = [local(t) for t in v]
+            return type(v)(items) if isinstance(v, list) else tuple(items)
+        return v
+
+    args = tuple(local(a) for a in args)
+    kwargs = {key: local(v) for key, v in kwargs.items()}
+    heads = _heads(tuple(x.placements), k)
+    for key in _CACHE_KEYS:
+        if kwargs.get(key) is not None:
+            kwargs[key] = _CacheOfDTensors(kwargs[key], mesh, heads)
+    return args, kwargs
+
+
+def _set_cache_mode(kwargs: dict, mode) -> None:
+    for key in _CACHE_KEYS:
+        if isinstance(kwargs.get(key), _CacheOfDTensors):
+            kwargs[key].mode = mode
+
+
+@contextlib.contextmanager
+def _local_parameters(params: list[tuple], placements: tuple):
+    """Within, each ``(owner, attr, dtensor)`` reads as its local tensor (gradient: the parameter's own placements, but
+    partial where the input ``placements`` shard the batch), the plan's hooks stand aside and factory capture is
+    paused (yielding the capture mode, for the cache). An instance attribute shadows the module's registered parameter
+    (Python finds instance attributes before ``nn.Module.__getattr__`` looks in the parameters), so the module, its
+    parameters and its state dict stay as they are; much cheaper than reparametrizing the module."""
+    global _fast_depth
+    sharded = {i for i, p in enumerate(placements) if isinstance(p, Shard)}
+    shadowed = []
+    _fast_depth += 1
+    try:
+        for owner, attr, t in params:
+            vars(owner)[attr] = t.to_local(grad_placements=[
+                Partial() if i in sharded and isinstance(p, Replicate) else p for i, p in enumerate(t.placements)])
+            shadowed.append((owner, attr))
+        with capture_paused() as mode:
+            yield mode
+    finally:
+        _fast_depth -= 1
+        for owner, attr in shadowed:
+            del vars(owner)[attr]
+
+
+class _EnterGroup(torch.autograd.Function):
+    """Megatron's ``f``: identity forward; backward all-reduces the gradient (each rank's part from its own heads or FFN
+    columns) over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _LeaveGroup(torch.autograd.Function):
+    """Megatron's ``g``: all-reduces the row-parallel projection's partial sums; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        torch.distributed.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 _CACHE_KEYS = ("past_key_values", "cache")  # the KV cache keyword (renamed in transformers 5)
@@ -292,6 +442,25 @@ class _CacheOfDTensors:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)
+
+
+def _arguments_apply(args: tuple, kwargs: dict, x: DTensor, mesh) -> bool:
+    """Every tensor argument but the input ``x`` is a DTensor on ``mesh`` placed like ``x`` and needs no gradient (its
+    local tensor is then what the rank computes with), and a KV cache, if any, has an ``update`` method."""
+    placements = tuple(x.placements)
+    for v in (*args, *kwargs.values()):
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if not isinstance(t, torch.Tensor) or t is x:
+                continue
+            if t.requires_grad or not isinstance(t, DTensor) or t.device_mesh != mesh:
+                return False
+            if tuple(t.placements) != placements:
+                return False
+    for key in _CACHE_KEYS:
+        cache = kwargs.get(key)
+        if cache is not None and not callable(getattr(cache, "update", None)):
+            return False
+    return True
 
 
 def _to_local(t: Any, placements: tuple) -> Any:
@@ -377,5 +546,38 @@ def fast_block(module: nn.Module, mesh, input_spec, row_output_spec, entries_ins
               for attr in ("weight", "bias") if getattr(lin, attr) is not None]
     if len(params) != len(list(module.parameters())):
         return False  # a parameter outside the projections (the activation has none: checked)
-    module.forward = FastBlock(module, module.forward, mesh, k, kind, params, finish)
+    row = row_output_spec[0] if isinstance(row_output_spec, (list, tuple)) and len(row_output_spec) == 1 else None
+    module.forward = FastBlock(module, module.forward, mesh, k, kind, params, finish,
+                               tuple(row) if isinstance(row, (list, tuple)) else None)
+    return True
+
+
+def fast_layer(module: nn.Module, mesh, entries_at: bool) -> bool:
+    """Install :class:`FastLayer` on ``module`` if its class qualifies and both its blocks run :class:`FastBlock` on
+    the same mesh dim with replicated outputs (see there); return whether it did. ``entries_at`` says whether a plan
+    entry names the layer itself or one of its norms. Static checks only, no collective."""
+    known = FAST_LAYERS.get((type(module).__module__, type(module).__qualname__))
+    if known is None or entries_at or "forward" in vars(module):
+        return False
+    norm1, attn, norm2, mlp = known
+    children = dict(module.named_children())
+    if set(children) != {norm1, attn, norm2, mlp}:
+        return False
+    blocks = tuple(getattr(children[name], "forward", None) for name in (attn, mlp))
+    if not all(isinstance(b, FastBlock) and b.mesh == mesh for b in blocks) or blocks[0].k != blocks[1].k:
+        return False
+    k = blocks[0].k
+    if not all(b.row_placements is not None and isinstance(b.row_placements[k], Replicate) for b in blocks):
+        return False
+    norms = []
+    for name in (norm1, norm2):
+        norm = children[name]
+        state = [*norm.named_parameters(), *norm.named_buffers()]
+        if [n for n, _ in state] != ["weight"] or list(norm.children()) or "forward" in vars(norm):
+            return False
+        w = norm.weight
+        if not (isinstance(w, DTensor) and w.device_mesh == mesh and all(type(p) is Replicate for p in w.placements)):
+            return False
+        norms.append((name, "weight", tuple(w.placements)))
+    module.forward = FastLayer(module, module.forward, mesh, k, blocks, norms)
     return True

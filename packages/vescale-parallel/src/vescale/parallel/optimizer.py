@@ -19,8 +19,10 @@ tensor that is flattened), ``global_shape``, ``dtype``, ``placements``/``mesh_di
 layout, empty for a plain tensor), ``ranges``: ``[start, end)`` into the flattened local tensor for every dp
 rank, in dp-rank order (``ranges[dp_rank]`` is this rank's piece), and ``placement``: the same layout as a
 :class:`vescale.dtensor.RaggedShard` ``((0,), [end - start per dp rank])`` of the flattened local tensor over the dp
-mesh dim; ``param_groups`` list hyper-parameters with ``params`` given as FQNs. With ``zero_stage=0`` every range
-is the whole ``[0, numel)`` (replicated over dp) and ``placement`` is None.
+mesh dim (with DDP's ``data_dims`` a bucket reduced over dp x ep is sharded over those ranks: ``sharded_over`` names
+them, ``"dp+ep"``, and ``rank`` is this rank's index into ``ranges``); ``param_groups`` list hyper-parameters with
+``params`` given as FQNs. With ``zero_stage=0`` every range is the whole ``[0, numel)`` (replicated over dp) and
+``placement`` is None.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vescale.dtensor import RaggedShard
+from vescale.parallel import optimizer_state
 from vescale.parallel.clip_grad import _dtensor_groups, clip_grad_norm_, is_tied_copy, mark_sharded, mark_tied_copy
 from vescale.parallel.ddp import DistributedDataParallel, _all_gather, _Bucket, _Slot, local_tensor
 from vescale.parallel.errors import ZeroError
@@ -158,9 +161,12 @@ class DistributedOptimizer:
         self.optimizer = cls(inner_groups, **defaults)
 
     def _make_pieces(self) -> dict[nn.Parameter, _Piece]:
-        ddp, dp, rank = self.ddp, self.ddp.dp_size, self.ddp.dp_rank
+        ddp = self.ddp
         pieces = {}
         for bucket in ddp.buckets:
+            # a bucket is sharded over the ranks it is reduced over: dp, or dp x data dims (DDP's data_dims)
+            reduction = bucket.buffer.reduction
+            dp, rank = reduction.size, reduction.rank
             region_start = bucket.start + rank * (bucket.numel // dp)
             for slot in bucket.slots:
                 lo, hi = self._owned(bucket, slot, rank)
@@ -175,7 +181,7 @@ class DistributedOptimizer:
                 aliased = slot.param.dtype == self.master_dtype
                 master = flat[lo:hi] if aliased else flat[lo:hi].to(self.master_dtype).clone()
                 # zero_stage 0: every dp rank holds the whole, so the clip norm must not sum it over dp
-                groups = {ddp.dp_dim_name: ddp.dp_group} if self.zero_stage else {}
+                groups = {reduction.name: reduction.group} if self.zero_stage else {}
                 if isinstance(slot.param, DTensor):
                     groups.update(_dtensor_groups(slot.param))
                 mark_sharded(master, groups)
@@ -186,7 +192,7 @@ class DistributedOptimizer:
 
     def _owned(self, bucket: _Bucket, slot: _Slot, rank: int) -> tuple[int, int]:
         """``[lo, hi)`` of ``slot`` that dp rank ``rank`` updates: all of it with ``zero_stage=0``."""
-        return (0, slot.numel) if self.zero_stage == 0 else _owned(bucket, slot, rank, self.ddp.dp_size)
+        return (0, slot.numel) if self.zero_stage == 0 else _owned(bucket, slot, rank, bucket.buffer.reduction.size)
 
     # -- the step -------------------------------------------------------------------------------------------------
 
@@ -217,16 +223,18 @@ class DistributedOptimizer:
         return loss
 
     def _gather_params(self) -> None:
-        ddp, dp, rank = self.ddp, self.ddp.dp_size, self.ddp.dp_rank
-        if dp == 1 or self.zero_stage == 0:  # every rank updated the whole: nothing to gather
-            for piece in self.pieces.values():
-                if not piece.aliased:
-                    local_tensor(piece.slot.param).view(-1).copy_(piece.master)
-            return
         # At most two buckets in flight: bucket i's all-gather runs while bucket i-1 is copied into the parameters,
         # so the temporary gather buffers never exceed two buckets.
         previous = None
-        for bucket in ddp.buckets:
+        for bucket in self.ddp.buckets:
+            reduction = bucket.buffer.reduction
+            dp, rank = reduction.size, reduction.rank
+            if dp == 1 or self.zero_stage == 0:  # every rank updated the whole bucket: nothing to gather
+                for slot in bucket.slots:
+                    piece = self.pieces[slot.param]
+                    if not piece.aliased:
+                        local_tensor(slot.param).view(-1).copy_(piece.master)
+                continue
             size = bucket.numel // dp
             region_start = bucket.start + rank * size
             shard = torch.zeros(size, dtype=bucket.buffer.param_dtype, device=bucket.buffer.data.device)
@@ -236,7 +244,7 @@ class DistributedOptimizer:
                     at = slot.start + piece.lo - region_start
                     shard[at:at + piece.hi - piece.lo].copy_(piece.master)
             full = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
-            current = (bucket, full, _all_gather(full, shard, group=ddp.dp_group, async_op=True))
+            current = (bucket, full, _all_gather(full, shard, group=reduction.group, async_op=True))
             if previous is not None:
                 _scatter_gathered(*previous)
             previous = current
@@ -257,8 +265,8 @@ class DistributedOptimizer:
     # -- state dict -----------------------------------------------------------------------------------------------
 
     def _shard_info(self, piece: _Piece) -> dict[str, Any]:
-        p, ddp = piece.slot.param, self.ddp
-        ranges = [list(self._owned(piece.slot.bucket, piece.slot, r)) for r in range(ddp.dp_size)]
+        p, reduction = piece.slot.param, piece.slot.bucket.buffer.reduction
+        ranges = [list(self._owned(piece.slot.bucket, piece.slot, r)) for r in range(reduction.size)]
         is_dt = isinstance(p, DTensor)
         numel = piece.slot.numel
         return {
@@ -271,6 +279,9 @@ class DistributedOptimizer:
             "placements": [str(pl) for pl in p.placements] if is_dt else [],
             "mesh_dim_names": list(p.device_mesh.mesh_dim_names or ()) if is_dt else [],
             "ranges": ranges,
+            # the ranks ``ranges`` are over: dp, or dp x DDP's data dims ("dp+ep"), and this rank's index in them
+            "sharded_over": reduction.name,
+            "rank": reduction.rank,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -333,3 +344,18 @@ class DistributedOptimizer:
             hyper = {k: v for k, v in saved.items() if k != "params"}
             inner_groups.append({**hyper, "params": [index[id(m)] for m in group["params"]]})
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+    # -- the sharded-state protocol (vescale.core.sharded_state), through which checkpoints see this state ---------
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's state as boxes of the global parameters, under a torch optimizer's checkpoint keys (see
+        :mod:`vescale.parallel.optimizer_state`)."""
+        return optimizer_state.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply a :meth:`sharded_state_dict` whose boxes a load filled in place (hyper-parameters, scalars)."""
+        optimizer_state.load_sharded_state_dict(self, state)
+
+    def init_sharded_state(self) -> None:
+        """Build the wrapped optimizer's lazy state (once, with an lr-0 step; no collectives) so a load can fill it."""
+        optimizer_state.init_sharded_state(self)

@@ -25,7 +25,8 @@ the result works (see :mod:`.compile`).
 
 Gradients: after accumulation each parameter's ``.grad`` is redistributed to the parameter's own placements (the
 ``Partial`` gradient of a replicated norm weight under sequence parallelism, or of any parameter on a data-parallel
-mesh dim, is all-reduced there), so ``param.grad`` always has ``param.placements``.
+mesh dim, is all-reduced there), so ``param.grad`` always has ``param.placements``; also after a ``module.to(dtype)``
+that swapped the DTensor parameters (the root re-hooks their gradient-accumulator nodes at its next forward).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -46,7 +48,7 @@ from vescale.core.placement_format import format_placements
 from vescale.dtensor import distribute_tensor, is_deferred, materialize
 from vescale.parallel.compile import install_compilable_embeddings
 from vescale.parallel.factory import FactoryCapture, capture_suspended
-from vescale.parallel.local import FAST_BLOCKS, fast_block, in_fast_block, make_local
+from vescale.parallel.local import FAST_BLOCKS, FAST_LAYERS, fast_block, fast_layer, in_fast_block, make_local
 from vescale.parallel.plan_grammar import Plan, check_plan, mesh_description
 from vescale.parallel.report import PlanEntry, PlanReport
 
@@ -223,21 +225,56 @@ def _distribute_state(module: nn.Module, mesh, decisions: dict[int, tuple], repo
 
 
 def _grad_to_param_placements(param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook: bring ``param.grad`` (often ``Partial``) to the parameter's placements."""
+    """Post-accumulate-grad hook: bring ``param.grad`` (often ``Partial``) to the parameter's placements.
+    Idempotent: a gradient already laid out as its parameter is left alone."""
     grad = param.grad
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
+class _GradPlacementHooks:
+    """Keeps :func:`_grad_to_param_placements` running for the DTensor parameters ``parallelize_module`` made, also
+    after ``module.to(dtype or device)`` swapped them (``torch.utils.swap_tensors``: the Parameter object keeps its
+    post-accumulate-grad hook dict, but autograd's hook stays with the old tensor and never runs again).
+
+    At each outermost forward of the root, :meth:`refresh` hooks the gradient-accumulator node of each such parameter
+    whose node is not the one hooked before (the first forward, or after a swap), as DDP hooks nodes, and holds the
+    node so that the forward's graph uses it. The hook is idempotent, so a parameter whose own post-accumulate-grad
+    hook still runs is redistributed once. Nodes are taken at forward time, not here, so that no node keeps alive a
+    parameter that ``fully_shard`` (or anything) replaces before training starts.
+    """
+
+    def __init__(self, fqns: set[str]) -> None:
+        self.fqns = frozenset(fqns)
+        self.nodes: dict[str, Any] = {}  # FQN -> the gradient-accumulator node hooked for it
+
+    def refresh(self, module: nn.Module) -> None:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return  # no backward will follow this forward; or dynamo traces the root (autograd nodes are eager's)
+        for fqn, param in module.named_parameters():
+            if fqn not in self.fqns or not isinstance(param, DTensor) or not param.requires_grad:
+                continue
+            node = get_gradient_edge(param).node
+            if self.nodes.get(fqn) is not node:
+                node.register_hook(functools.partial(_node_grad_hook, param))
+                self.nodes[fqn] = node
+
+
+def _node_grad_hook(param: torch.Tensor, grad_inputs: Any, grad_outputs: Any) -> None:
+    """A gradient-accumulator node's post hook (autograd has accumulated into ``param.grad``)."""
+    _grad_to_param_placements(param)
+
+
 class _RootState:
     """Per-root bookkeeping: the factory-capture mode is entered on the outermost call only."""
 
-    def __init__(self, mesh, aten: bool, outputs_by_key: bool) -> None:
+    def __init__(self, mesh, aten: bool, outputs_by_key: bool, grad_hooks: _GradPlacementHooks) -> None:
         self.mesh, self.aten = mesh, aten
         self.outputs_by_key = outputs_by_key  # the root's output entry names outputs by key
         self.depth = 0
         self.mode: FactoryCapture | None = None
         self.as_tuple = False  # this call asked for return_dict=False; the outputs are named by key meanwhile
+        self.grad_hooks = grad_hooks
 
 
 def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: dict, report: PlanReport) -> None:
@@ -257,7 +294,9 @@ def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: 
     _install_fast_blocks(mods, mesh, inputs, outputs, local)
     # a root that runs an exported graph (a pipeline stage) calls aten factories directly; others call torch.*
     runs_graph = any(isinstance(v, torch.fx.GraphModule) for v in (module, *vars(module).values()))
-    state = _RootState(mesh, aten=runs_graph, outputs_by_key=isinstance(outputs.get("", (None, None))[1], dict))
+    hooked = {fqn for fqn, p in module.named_parameters() if isinstance(p, DTensor) and p.requires_grad}
+    state = _RootState(mesh, aten=runs_graph, outputs_by_key=isinstance(outputs.get("", (None, None))[1], dict),
+                       grad_hooks=_GradPlacementHooks(hooked))
     module.register_forward_pre_hook(
         functools.partial(_root_pre_hook, state=state, spec=inputs.get("", (None, None))[1]), with_kwargs=True)
     module.register_forward_hook(
@@ -280,6 +319,13 @@ def _install_fast_blocks(mods: dict, mesh, inputs: dict, outputs: dict, local: d
             continue
         finish = functools.partial(_finish_row, spec=row_spec, mesh=mesh, fqn=row)
         fast_block(mod, mesh, inputs.get(fqn, (None, None))[1], row_spec, inside, finish)
+    # then whole decoder layers whose two blocks both went fast (:class:`vescale.parallel.local.FastLayer`)
+    for fqn, mod in mods.items():
+        known = FAST_LAYERS.get((type(mod).__module__, type(mod).__qualname__))
+        if not fqn or known is None:
+            continue
+        norms = [f"{fqn}.{known[i]}" for i in (0, 2)]
+        fast_layer(mod, mesh, any(n == fqn or any(n == o or n.startswith(o + ".") for o in norms) for n in named))
 
 
 def _finish_row(out: Any, *, spec, mesh, fqn: str) -> Any:
@@ -409,6 +455,7 @@ def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict, *, state: _Root
     kwargs = {k: default(k, v) for k, v in kwargs.items()}
     state.depth += 1
     if state.depth == 1:
+        state.grad_hooks.refresh(module)  # (re-)hook parameters a module.to() swapped since the last forward
         # Hugging Face's return_dict=False returns ModelOutput.to_tuple(): ask for the ModelOutput so that a plan
         # naming outputs by key ("logits") applies, and turn it into the tuple on the way out.
         state.as_tuple = state.outputs_by_key and kwargs.get("return_dict") is False

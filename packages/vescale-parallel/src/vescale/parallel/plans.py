@@ -95,7 +95,7 @@ def gpt_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parallel: 
 
 
 def _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, *, biases: bool,
-             down: str | None = "down_proj") -> dict:
+             down: str | None = "down_proj", num_key_value_heads: int | None = None) -> dict:
     d = _Dims(mesh, tp, dp)
     plan = _decoder_plan(d, embed="model.embed_tokens", layers="model.layers", attn="self_attn",
                          qkv=["q_proj", "k_proj", "v_proj"], o="o_proj", mlp="mlp", up=["gate_proj", "up_proj"],
@@ -103,7 +103,21 @@ def _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, *, biases: bool,
                          mlp_in=[d.act(Replicate())], biases=biases, sequence_parallel=sequence_parallel,
                          loss_parallel=loss_parallel)
     _hf_boundary(plan, d, loss_parallel)
+    if num_key_value_heads is not None:
+        _replicate_kv(plan, d, mesh, num_key_value_heads, biases)
     return plan
+
+
+def _replicate_kv(plan: dict, d: _Dims, mesh, kv: int, biases: bool) -> None:
+    """Fewer kv heads than tp ranks: ``k_proj``/``v_proj`` replicated on tp (see :mod:`vescale.parallel.kv_replicas`,
+    whose :func:`~vescale.parallel.kv_replicas.replicate_kv_heads` then keeps one kv head per rank in the cache)."""
+    from vescale.parallel.kv_replicas import kv_head_layout
+
+    if kv_head_layout(kv, mesh.size(d.names.index(d.tp))) == "replicate":
+        for name in ("k_proj", "v_proj"):
+            for attr in ("weight", "bias") if biases else ("weight",):
+                # the key _decoder_plan wrote (same text), so the entry is replaced in place
+                plan["parameter"][rf"model.layers\.\d+\.self_attn\.{name}\.{attr}"] = d.param(Replicate())
 
 
 def _hf_boundary(plan: dict, d: _Dims, loss_parallel: bool) -> None:
@@ -114,26 +128,39 @@ def _hf_boundary(plan: dict, d: _Dims, loss_parallel: bool) -> None:
 
 
 def llama_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parallel: bool = False,
-               loss_parallel: bool = False) -> dict:
-    """Plan for Hugging Face ``LlamaForCausalLM`` (call it with ``input_ids``; ``use_cache=False``)."""
-    return _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, biases=False)
+               loss_parallel: bool = False,
+               num_key_value_heads: int | None = None) -> dict:
+    """Plan for Hugging Face ``LlamaForCausalLM`` (call it with ``input_ids``; ``use_cache=False``).
+
+    ``num_key_value_heads`` (the model's ``config.num_key_value_heads``; also for Qwen2 and Mixtral): when it is
+    fewer than the tp size, ``k_proj``/``v_proj`` are replicated on tp instead of split inside a head; call
+    :func:`~vescale.parallel.replicate_kv_heads` after ``parallelize_module`` so the KV cache keeps one kv head per
+    rank (:mod:`vescale.parallel.kv_replicas`). Raises ``PlanError`` if the kv heads neither divide over tp nor
+    replicate over it. Omitted: k/v are sharded by rows whatever the head count (kv heads fewer than tp then split
+    inside a head, which DTensor all-gathers at the head view: correct, but the cache is replicated)."""
+    return _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, biases=False,
+                    num_key_value_heads=num_key_value_heads)
 
 
 def qwen2_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parallel: bool = False,
-               loss_parallel: bool = False) -> dict:
+               loss_parallel: bool = False,
+               num_key_value_heads: int | None = None) -> dict:
     """Plan for Hugging Face ``Qwen2ForCausalLM``: Llama's, plus the q/k/v biases sharded with their weights."""
-    return _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, biases=True)
+    return _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, biases=True,
+                    num_key_value_heads=num_key_value_heads)
 
 
 def mixtral_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parallel: bool = False,
-                 loss_parallel: bool = False) -> dict:
+                 loss_parallel: bool = False,
+                 num_key_value_heads: int | None = None) -> dict:
     """Plan for Hugging Face ``MixtralForCausalLM``: attention as Llama, each expert's FFN tensor-parallel.
 
     ``experts.gate_up_proj [E, 2F, D]`` is column-parallel with ``InterleavedShard(1, 2)`` (each rank holds matching
     gate and up rows), ``experts.down_proj [E, D, F]`` row-parallel; the router is replicated.
     """
     d = _Dims(mesh, tp, dp)
-    plan = _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, biases=False, down=None)
+    plan = _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, biases=False, down=None,
+                    num_key_value_heads=num_key_value_heads)
     plan["parameter"][r"model\.layers\.\d+\.mlp\.experts\.gate_up_proj"] = d.param(InterleavedShard(1, 2))
     plan["parameter"][r"model\.layers\.\d+\.mlp\.experts\.down_proj"] = d.param(Shard(2))
     stream = d.act(Shard(1)) if sequence_parallel else d.act(Replicate())

@@ -12,6 +12,13 @@ Parameters already sharded over ``tp`` become 2-D (or 3-D) DTensors; the optimiz
 optimizer over ``model.parameters()``, and :func:`~vescale.parallel.clip_grad_norm_` works on the resulting gradients
 unchanged. Gradient accumulation: ``model.set_requires_gradient_sync(False)`` for all but the last micro-batch.
 
+Pipeline stages (:func:`fully_shard_stage`): a stage that ``vescale.pipe.split`` cut from a captured graph has no
+block modules whose forward runs, so the whole stage is one FSDP2 unit over dp, and the wrapper
+(:class:`Zero3Stage`) follows ``vescale.pipe.PipeEngine``'s grad-sync protocol: the engine runs every backward but
+the stage's last one of the step under ``no_sync()`` (FSDP2 accumulates unsharded gradients, reduces nothing and
+keeps the gathered parameters), and the last one reduce-scatters the sum of all microbatches' gradients once, then
+frees the gathered parameters.
+
 Mixed precision (:func:`bf16_policy`): FSDP2 keeps the sharded parameters (the masters, which the optimizer updates
 and a checkpoint saves) in their own dtype, fp32, casts the gathered parameters to bf16 for forward and backward, and
 reduces the gradients in fp32 (or bf16, when asked), so the optimizer state stays fp32 too.
@@ -19,6 +26,8 @@ reduces the gradients in fp32 (or bf16, when asked), so the optimizer state stay
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +37,7 @@ from vescale.core.blocks import find_blocks
 from vescale.core.mesh import dim_mesh
 from vescale.parallel.errors import Zero3Error
 
-__all__ = ["HSDP_DIMS", "bf16_policy", "fully_shard_dp", "zero3_dp_mesh"]
+__all__ = ["HSDP_DIMS", "Zero3Stage", "bf16_policy", "fully_shard_dp", "fully_shard_stage", "zero3_dp_mesh"]
 
 #: The two mesh dims of HSDP, outer (replicate) then inner (shard), as FSDP2's 2-D mesh wants them.
 HSDP_DIMS = ("dp_replicate", "dp_shard")
@@ -86,6 +95,70 @@ def fully_shard_dp(module: nn.Module, mesh, *, blocks: str | None = None, reshar
     for m in [*targets, module]:
         _shard_outside_capture(m, fully_shard, kw)
     return module
+
+
+def fully_shard_stage(stage: nn.Module, mesh, *, reshard_after_forward: bool = False,
+                      mp_policy: Any = None) -> Zero3Stage:
+    """Shard one pipeline stage's parameters over the data-parallel dims of ``mesh`` (ZeRO 3 / HSDP, as
+    :func:`fully_shard_dp`), the whole stage as one FSDP2 unit; return it in a :class:`Zero3Stage` for
+    ``PipeEngine.wrap_stages``.
+
+    ``stage`` (e.g. a ``vescale.pipe.GraphStage``, TP already applied over another dim of ``mesh``) is sharded in
+    place: its parameters become new DTensor parameters under the same FQNs (``wrap_stages`` collects them again).
+    ``reshard_after_forward=False`` (default) gathers the stage's parameters once per step, at its first forward,
+    and frees them after its last backward: a rank computes on its one stage from the first to the last microbatch,
+    so the gathered weights are in use all that time: one all-gather a step. ``True`` frees them after every forward
+    and gathers them again at the next forward or backward that finds them freed (least memory; up to 2 x M
+    all-gathers a step, M + 1 under GPipe). Either way the stage's gradients are reduce-scattered once a step, in
+    its last backward.
+    No collective here (FSDP2 gathers lazily at the first forward).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {"mesh": zero3_dp_mesh(mesh), "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    _shard_outside_capture(stage, fully_shard, kw)
+    return Zero3Stage(stage)
+
+
+class Zero3Stage(nn.Module):
+    """A pipeline stage sharded by FSDP2 (:func:`fully_shard_stage`) in ``PipeEngine``'s grad-sync protocol.
+
+    ``forward`` runs the stage. ``no_sync()``: backward inside accumulates the unsharded gradient locally (no
+    reduce-scatter), keeps the gathered parameters, and is not FSDP2's last backward of the step; outside it (the
+    engine's last backward of the stage) FSDP2 reduce-scatters the accumulated sum over dp (HSDP: then all-reduces
+    over the replicas), averaging, and frees the gathered parameters. ``finish_grad_sync()`` has nothing left to do:
+    FSDP2 waits for its reduction at the end of that backward. The reduction runs in FSDP2's autograd hooks, which a
+    split backward (``BW`` on parameter edges) does not reach: ``split_backward = False`` makes ``wrap_stages``
+    refuse zero-bubble schedules. Parameters are the stage's own (``parameters()`` lists them with the prefix
+    ``module.``; checkpoint and name the unwrapped stage).
+    """
+
+    split_backward = False
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.module = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _set_sync(self, sync: bool) -> None:
+        self.module.set_requires_gradient_sync(sync)
+        self.module.set_reshard_after_backward(sync)
+        self.module.set_is_last_backward(sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._set_sync(False)
+        try:
+            yield
+        finally:
+            self._set_sync(True)
+
+    def finish_grad_sync(self) -> None:
+        return None
 
 
 def _shard_outside_capture(module: nn.Module, fully_shard, kw: dict) -> None:

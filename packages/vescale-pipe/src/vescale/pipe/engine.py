@@ -7,14 +7,16 @@ by accumulating ``(loss_fn(model(x_m), t_m) / M).backward()`` over the same micr
 microbatch loss on every pipeline rank. Gradients accumulate into ``.grad`` like ``backward`` does: zero them between
 steps (``optimizer.zero_grad()``).
 
-Collectives it issues: at construction, one ``all_gather_object`` over the pp group (errors and parameter FQNs);
+Collectives it issues: at construction (and in :meth:`PipeEngine.wrap_stages`), one ``all_gather_object`` over the
+pp group (errors and parameter FQNs);
 per step, first one ``all_gather`` over the pp group of a fixed-size int64 description of the batch and target each
 rank was passed (presence, shapes, dtypes; see ``_describe_batch``), so that a bad or missing batch raises the
 same :class:`PipeError` on every pp rank before any stage waits on another; then p2p sends/receives between
 neighbouring stages (tagged, batched), one ``all_reduce`` over the pp group for parameters held by several stages
 (tied embeddings), one ``all_reduce`` over ``dp`` (when given) of every local gradient not reduced by a stage that
 owns its dp reduction (see below), and one ``broadcast`` of the loss from the rank holding the last stage. Every
-tensor these collectives touch lives on :attr:`PipeEngine.device`, the rank's device (``cuda:<current>`` when the pp group is NCCL, else the stages' parameters' device, else CPU).
+tensor these collectives touch lives on :attr:`PipeEngine.device`, the rank's device (``cuda:<current>`` when the pp
+group is NCCL, else the stages' parameters' device, else CPU).
 
 Data parallelism, two ways. (1) ``dp_group``: after the step, one flat ``all_reduce`` per gradient dtype averages
 every local gradient over dp, not overlapped with anything (for stages that are plain modules). (2) Stages that own
@@ -264,8 +266,21 @@ class PipeEngine:
         errors = [f"pp rank {self.pp_rank} has no module for stage {s} (schedule {self.schedule.name!r} places it "
                   "here)" for s in self.local_ids if not isinstance(all_stages[s], nn.Module)]
         self.stages: dict[int, nn.Module] = {s: all_stages[s] for s in self.local_ids if not errors}
+        #: The stage modules as given (their parameter FQNs are the model's), whatever wrap_stages puts around them.
+        self._unwrapped: dict[int, nn.Module] = dict(self.stages)
+        self._register_parameters(errors)
+        self._sync_owners: dict[int, nn.Module] = {}  # local stage -> its module owning its dp reduction
+        self._last_weight_action: dict[int, tuple[str, int]] = {}  # local stage -> (op, mb) of its last B / BW
+        #: The device of every tensor the engine communicates (see the module docstring).
+        self.device = _rank_device(self.group, [p for ps in self._params.values() for p in ps])
+        self._step = 0
+
+    def _register_parameters(self, errors: list[str]) -> None:
+        """Collect this rank's trainable parameters by (canonical) FQN from the unwrapped stages, and learn over pp
+        which names several stages hold (tied weights: ``shared``, with their local shapes). One
+        ``all_gather_object`` over the pp group, which also raises every rank's ``errors`` on every rank."""
         self._params: dict[str, list[nn.Parameter]] = {}
-        for s in self.stages.values():
+        for s in self._unwrapped.values():
             aliases = getattr(s, "canonical_names", {})
             for name, p in s.named_parameters(remove_duplicate=False):
                 key = aliases.get(name, name)
@@ -284,11 +299,6 @@ class PipeEngine:
                 holders.setdefault(n, []).append((r, meta))
         self.shared = {n: h[0][1] for n, h in sorted(holders.items()) if len(h) > 1}
         self._first_holder = {n: h[0][0] for n, h in holders.items()}  # the lowest pp rank holding each name
-        self._sync_owners: dict[int, nn.Module] = {}  # local stage -> its module owning its dp reduction
-        self._last_weight_action: dict[int, tuple[str, int]] = {}  # local stage -> (op, mb) of its last B / BW
-        #: The device of every tensor the engine communicates (see the module docstring).
-        self.device = _rank_device(self.group, [p for ps in self._params.values() for p in ps])
-        self._step = 0
 
     @staticmethod
     def _resolve_groups(pp: Any, dp_group: Any) -> tuple[Any, Any, Any]:
@@ -330,27 +340,41 @@ class PipeEngine:
     def wrap_stages(self, wrap: Callable[[int, nn.Module, list[nn.Parameter]], nn.Module]) -> None:
         """Replace each local stage ``s`` by ``wrap(s, stage, late)``, e.g. to own its dp gradient reduction.
 
-        ``late`` is :meth:`tied_parameters` of the stage. The returned module runs the stage's forward and keeps its
-        parameters (the same tensors). When it follows the grad-sync protocol (``no_sync()`` and
-        ``finish_grad_sync()``, see the module docstring) it owns the stage's dp reduction from the next step on:
-        earlier backward actions run under ``no_sync()``, ``finish_grad_sync()`` follows the tied-weight sum, and
-        ``dp_group``'s flat all-reduce skips its parameters. Raises :class:`PipeError` (no collective issued) when a
-        parameter is held by two local stages and either becomes a reduction owner (two reducers of one gradient).
+        ``late`` is :meth:`tied_parameters` of the stage. The returned module runs the stage's forward. It may keep
+        the stage's parameters (DDP) or replace them in the stage module under the same FQNs (FSDP2 shards them in
+        place): the engine collects them again from the stage modules afterwards, so :meth:`parameters` (what the
+        optimizer gets) and the tied-weight sums see the parameters the stages now hold. When the wrapper follows
+        the grad-sync protocol (``no_sync()`` and ``finish_grad_sync()``, see the module docstring) it owns the
+        stage's dp reduction from the next step on: earlier backward actions run under ``no_sync()``,
+        ``finish_grad_sync()`` follows the tied-weight sum, and ``dp_group``'s flat all-reduce skips its parameters.
+        A wrapper whose reduction runs in autograd hooks that a split backward (``BI`` then ``BW``) does not reach
+        says so with ``split_backward = False``.
+
+        Collective: one ``all_gather_object`` over the pp group (call it on every pp rank). Raises
+        :class:`PipeError` on every pp rank when on any of them a parameter is held by two local stages and either
+        becomes a reduction owner (two reducers of one gradient), or a wrapper with ``split_backward = False`` gets
+        a stage that the schedule runs with ``BI`` / ``BW`` actions (zero-bubble schedules).
         """
+        held: dict[int, list[int]] = {}  # parameter id -> the local stages holding it (before any wrapper runs)
+        for s, m in self.stages.items():
+            for p in m.parameters():
+                if s not in held.setdefault(id(p), []):
+                    held[id(p)].append(s)
         wrapped = {s: wrap(s, m, self.tied_parameters(s)) for s, m in self.stages.items()}
         owners = {s: m for s, m in wrapped.items() if callable(getattr(m, "no_sync", None))
                   and callable(getattr(m, "finish_grad_sync", None))}
-        if owners and len(self.stages) > 1:
-            seen: dict[int, int] = {}
-            for s, m in self.stages.items():
-                for p in m.parameters():
-                    other = seen.setdefault(id(p), s)
-                    if other != s and (s in owners or other in owners):
-                        raise PipeError(f"a parameter of shape {tuple(p.shape)} is held by local stages {other} and "
-                                        f"{s} of pp rank {self.pp_rank}; two dp reducers cannot own one gradient")
+        errors = sorted({f"a parameter is held by local stages {both[0]} and {both[1]} of pp rank {self.pp_rank}; "
+                         "two dp reducers cannot own one gradient" for both in held.values()
+                         if len(both) > 1 and any(s in owners for s in both)})
+        acts = self.schedule.actions[self.pp_rank]
+        errors += [f"stage {s} on pp rank {self.pp_rank} is wrapped in {type(m).__name__}, whose gradient reduction "
+                   f"runs in autograd hooks that a split backward (BI / BW) does not reach; schedule "
+                   f"{self.schedule.name!r} splits it: use gpipe, 1f1b or interleaved_1f1b"
+                   for s, m in owners.items() if getattr(m, "split_backward", True) is False
+                   and any(a.stage == s and a.op in ("BI", "BW") for a in acts)]
+        self._register_parameters(errors)
         self.stages = wrapped
         self._sync_owners = owners
-        acts = self.schedule.actions[self.pp_rank]
         self._last_weight_action = {a.stage: (a.op, a.mb) for a in acts if a.op in ("B", "BW")}
 
     def parameters(self) -> list[nn.Parameter]:

@@ -8,6 +8,7 @@ stage and pipeline split with a cost model and applies them.
 
 from __future__ import annotations
 
+from vescale.plan.activations import ActivationBytes, ModelShape, activation_bytes, model_shape
 from vescale.plan.auto_parallelize import (
     ParallelReport,
     ParallelResult,
@@ -19,7 +20,7 @@ from vescale.plan.auto_plan import AutoPlan, Decision, auto_plan, plan_from_trac
 from vescale.plan.comm import CommCounter
 from vescale.plan.cost import CostEstimate, HardwareModel, estimate
 from vescale.plan.errors import TraceError
-from vescale.plan.explain import explain
+from vescale.plan.explain import explain, explain_choice
 from vescale.plan.hf_tp_plan import from_transformers_tp_plan
 from vescale.plan.pipeline import PipelineSplit, build_pipeline, pipeline_split
 from vescale.plan.trace import ModelTrace, trace_model
@@ -29,4 +30,5 @@ __all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace", "explain", "a
            "choose_parallelism", "ParallelReport", "ParallelResult",
            "language_model_loss", "CostEstimate", "HardwareModel", "estimate", "PipelineSplit",
            "pipeline_split", "build_pipeline", "CommCounter", "trace_model", "ModelTrace", "TraceError",
-           "verify_pairs", "PairCheck", "from_transformers_tp_plan"]
+           "verify_pairs", "PairCheck", "from_transformers_tp_plan", "explain_choice", "ModelShape", "model_shape",
+           "ActivationBytes", "activation_bytes"]

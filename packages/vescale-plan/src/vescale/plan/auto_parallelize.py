@@ -1,7 +1,9 @@
-"""``auto_parallelize``: choose pp x dp x tp, the ZeRO stage and the pipeline split with the cost model; apply it."""
+"""``auto_parallelize``: choose pp x dp x cp x ep x tp, the ZeRO stage and the pipeline split with the cost model;
+apply it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,10 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from vescale.core.errors import PlanError
+from vescale.core.torch_internals import flattened_mesh
+from vescale.plan.activations import ModelShape, model_shape
 from vescale.plan.auto_plan import AutoPlan, auto_plan, plan_from_trace
 from vescale.plan.cost import CostEstimate, HardwareModel, estimate
 from vescale.plan.pipeline import PipelineSplit, _blocks, build_pipeline, pipeline_split
 from vescale.plan.trace import ModelTrace, TraceError, trace_model
+
+#: The mesh dims auto_parallelize chooses, in canonical order.
+MESH_DIMS = ("pp", "dp", "cp", "ep", "tp")
 
 __all__ = ["ParallelReport", "ParallelResult", "choose_parallelism", "auto_parallelize", "language_model_loss"]
 
@@ -22,7 +29,9 @@ __all__ = ["ParallelReport", "ParallelResult", "choose_parallelism", "auto_paral
 @dataclass
 class ParallelReport:
     """The choice and its alternatives: ``candidates`` (every mesh/ZeRO combination estimated, best first),
-    ``chosen``, the TP/SP ``plan`` and pipeline ``split`` for it, and whether it was ``applied`` to the model."""
+    ``chosen``, the TP/SP ``plan`` and pipeline ``split`` for it, whether it was ``applied`` to the model, the model
+    ``shape`` the memory terms used, and the ``seq_len`` / ``budget_gb`` it was chosen for. ``str(report)`` is the
+    candidate table followed by :func:`vescale.plan.explain_choice` (why cp, ep and the ZeRO stage, with numbers)."""
 
     chosen: CostEstimate
     candidates: list[CostEstimate]
@@ -30,18 +39,25 @@ class ParallelReport:
     plan: AutoPlan | None = None
     applied: bool = False
     notes: list[str] = field(default_factory=list)
+    shape: ModelShape | None = None
+    seq_len: int = 0
+    budget_gb: float | None = None
 
     def __str__(self) -> str:
-        head = f"{'pp':>3} {'dp':>3} {'tp':>3} {'zero':>4} {'step ms':>10} {'mem GB':>9} {'tp MB':>9} {'dp MB':>9} " \
-               f"{'pp MB':>8} fits"
+        from vescale.plan.explain import explain_choice
+
+        head = f"{'pp':>3} {'dp':>3} {'cp':>3} {'ep':>3} {'tp':>3} {'zero':>4} {'step ms':>10} {'mem GB':>9} " \
+               f"{'act GB':>8} {'tp MB':>9} {'dp MB':>9} {'cp MB':>8} {'ep MB':>8} {'pp MB':>8} fits"
         lines = ["candidates (best first; * = chosen)", head]
         for c in self.candidates:
             mark = "*" if c is self.chosen else " "
-            lines.append(f"{c.pp:>3} {c.dp:>3} {c.tp:>3} {c.zero_stage:>4} {c.step_s * 1e3:>10.2f} "
-                         f"{c.memory_gb:>9.2f} {c.tp_bytes / 1e6:>9.1f} {c.dp_bytes / 1e6:>9.1f} "
-                         f"{c.pp_bytes / 1e6:>8.1f} {'yes' if c.fits else 'no'}{mark}")
+            lines.append(f"{c.pp:>3} {c.dp:>3} {c.cp:>3} {c.ep:>3} {c.tp:>3} {c.zero_stage:>4} "
+                         f"{c.step_s * 1e3:>10.2f} {c.memory_gb:>9.2f} {c.activations_gb:>8.2f} "
+                         f"{c.tp_bytes / 1e6:>9.1f} {c.dp_bytes / 1e6:>9.1f} {c.cp_bytes / 1e6:>8.1f} "
+                         f"{c.ep_bytes / 1e6:>8.1f} {c.pp_bytes / 1e6:>8.1f} {'yes' if c.fits else 'no'}{mark}")
         if self.split is not None:
             lines.append(f"pipeline split points: {self.split.split_points} (imbalance {self.split.imbalance:.3f})")
+        lines.append(explain_choice(self))
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -50,26 +66,50 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _block_params(trace: ModelTrace, blocks: list[str]) -> float:
+    """Parameter elements of the largest block (what ZeRO-3 gathers whole at a time)."""
+    sizes = [sum(math.prod(s) for f, s in trace.shapes.items() if f.startswith(b + ".")) for b in blocks]
+    return float(max(sizes, default=0))
+
+
 def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: float | None = None,
                        batch_size: int = 8, seq_len: int = 2048, fixed: dict[str, int] | None = None,
-                       max_tp: int = 8, param_bytes: int = 4, act_bytes: int = 4,
+                       max_tp: int = 8, max_cp: int = 8, max_ep: int = 64, param_bytes: int = 4, act_bytes: int = 4,
                        hw: HardwareModel | None = None, sequence_parallel: bool = False,
                        example_args: tuple | None = None, example_kwargs: dict | None = None,
-                       trace: ModelTrace | None = None, zero_stages: tuple[int, ...] = (0, 1, 2)) -> ParallelReport:
-    """Estimate every ``pp x dp x tp = world_size`` (``fixed`` pins some of them) and ZeRO stage in ``zero_stages``;
-    pick the fastest that fits ``memory_budget_gb`` (the smallest memory if none fits). ``zero_stages`` apply where
-    ``dp > 1`` and ``pp == 1``; every other candidate is ZeRO 0 (no dp to shard over, or pipeline stages, which the
-    ZeRO optimizer does not wrap). Pure: no collectives, no weights."""
-    bad = [z for z in zero_stages if z not in (0, 1, 2)]
+                       trace: ModelTrace | None = None, zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+                       ) -> ParallelReport:
+    """Estimate every ``pp x dp x cp x ep x tp = world_size`` (``fixed`` pins some of them) and ZeRO stage in
+    ``zero_stages``; pick the fastest that fits ``memory_budget_gb`` (the smallest memory if none fits).
+
+    What is a candidate (what :func:`auto_parallelize` can build and has tested):
+
+    * ``cp > 1`` only for a model :func:`vescale.parallel.context_parallel` takes (a transformers model with sdpa or
+      eager attention, or one with ``causal_attention`` hooks), ``pp == 1``, ``ep == 1``, ``seq_len`` divisible by
+      ``2 cp``; ZeRO 0/1/2 over the dp x cp ranks;
+    * ``ep > 1`` only for a model with experts (found by structure, :func:`vescale.parallel.find_experts`), ``ep``
+      dividing their number, ``pp == tp == cp == 1``, ZeRO 0 (the dense gradients are reduced by DTensor over dp x ep);
+    * ZeRO 1/2 where the dp (x cp) ranks are more than one and ``pp == 1``; ZeRO 3 (FSDP2 per block) where ``dp > 1``,
+      ``pp == 1`` and ``cp == ep == 1``; every other candidate is ZeRO 0.
+
+    Pure: no collectives, no weights. ``report.shape`` is the model shape the memory terms used and
+    ``report.reasons`` (what :func:`vescale.plan.explain_choice` prints) why cp, ep or ZeRO-3 was or was not chosen.
+    """
+    bad = [z for z in zero_stages if z not in (0, 1, 2, 3)]
     if bad or not zero_stages:
-        raise PlanError(f"zero_stages must be a non-empty subset of (0, 1, 2), got {tuple(zero_stages)}")
+        raise PlanError(f"zero_stages must be a non-empty subset of (0, 1, 2, 3), got {tuple(zero_stages)}")
     hw = hw or HardwareModel()
     if trace is None:
         trace = trace_model(model, example_args, example_kwargs)
     _, blocks = _blocks(model)
     layers = len(blocks)
     vocab = next((trace.shapes[e.param][0] for e in trace.events if e.kind == "embedding"), 0)
+    shape = model_shape(model, trace)
+    largest_block = _block_params(trace, blocks)
     fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(MESH_DIMS))
+    if unknown:
+        raise PlanError(f"fixed={fixed}: auto_parallelize chooses the mesh dims {list(MESH_DIMS)}, not {unknown}")
     cands: list[CostEstimate] = []
     plans: dict[int, tuple[set[str], int, int]] = {}
     for tp in _divisors(world_size):
@@ -83,27 +123,55 @@ def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: f
         sharded, rows, heads = plans[tp]
         if tp > 1 and not rows:
             continue  # nothing to shard: tp would only replicate work
-        for pp in _divisors(world_size // tp):
-            dp = world_size // tp // pp
-            if pp > layers or fixed.get("pp", pp) != pp or fixed.get("dp", dp) != dp or batch_size % dp:
+        for pp, cp, ep in _pp_cp_ep(world_size // tp, shape, layers, seq_len, max_cp, max_ep, tp):
+            dp = world_size // (tp * pp * cp * ep)
+            if any(fixed.get(n, v) != v for n, v in (("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep))):
                 continue
-            for zero in sorted(set(zero_stages)) if dp > 1 and pp == 1 else (0,):
+            if batch_size % (dp * ep) or (pp > 1 and batch_size // dp < pp):
+                continue  # every data rank needs whole sequences; a pipeline at least one per stage
+            for zero in _zero_stages(zero_stages, pp=pp, dp=dp, cp=cp, ep=ep):
                 cands.append(estimate(trace, pp=pp, dp=dp, tp=tp, zero_stage=zero, tp_sharded=sharded, pairs=rows,
                                       layers=layers, batch_size=batch_size, seq_len=seq_len, param_bytes=param_bytes,
                                       act_bytes=act_bytes, memory_budget_gb=memory_budget_gb, hw=hw,
-                                      sequence_parallel=sequence_parallel, vocab=vocab if heads else 0))
+                                      sequence_parallel=sequence_parallel, vocab=vocab if heads else 0, cp=cp,
+                                      ep=ep, shape=shape, largest_block=largest_block))
     if not cands:
-        raise PlanError(f"no pp x dp x tp factorisation of world size {world_size} fits the constraints "
+        raise PlanError(f"no pp x dp x cp x ep x tp factorisation of world size {world_size} fits the constraints "
                         f"(fixed={fixed}, batch_size={batch_size}, {layers} blocks, max_tp={max_tp}, "
                         f"zero_stages={tuple(zero_stages)})")
-    # prefer less ZeRO (less complexity, same step time) on ties; fitting candidates first
-    cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory_gb, c.zero_stage))
-    report = ParallelReport(cands[0], cands)
+    # prefer fewer mechanisms (less ZeRO, no cp / ep) on ties; fitting candidates first
+    cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory_gb, c.zero_stage, c.cp, c.ep))
+    report = ParallelReport(cands[0], cands, shape=shape, seq_len=seq_len, budget_gb=memory_budget_gb)
     if not cands[0].fits:
         report.notes.append(f"no candidate fits {memory_budget_gb} GB per rank; chose the smallest memory")
     if cands[0].pp > 1:
         report.split = pipeline_split(model, trace, cands[0].pp)
     return report
+
+
+def _pp_cp_ep(rest: int, shape: ModelShape, layers: int, seq_len: int, max_cp: int, max_ep: int, tp: int):
+    """``(pp, cp, ep)`` with ``pp x cp x ep`` dividing ``rest`` that can be built (see :func:`choose_parallelism`)."""
+    for pp in _divisors(rest):
+        if pp > layers:
+            continue
+        for cp in _divisors(rest // pp):
+            if cp > 1 and (pp > 1 or cp > max_cp or not shape.cp_capable or seq_len % (2 * cp)):
+                continue
+            for ep in _divisors(rest // pp // cp):
+                if ep > 1 and (pp > 1 or cp > 1 or tp > 1 or ep > max_ep or not shape.experts
+                               or shape.experts % ep):
+                    continue
+                yield pp, cp, ep
+
+
+def _zero_stages(stages: tuple[int, ...], *, pp: int, dp: int, cp: int, ep: int) -> list[int]:
+    allowed = {0}
+    if pp == 1 and ep == 1 and dp * cp > 1:
+        allowed |= {1, 2}
+    if pp == 1 and ep == 1 and cp == 1 and dp > 1:
+        allowed.add(3)
+    out = sorted(set(stages) & allowed)
+    return out or [0]
 
 
 def language_model_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -119,7 +187,9 @@ class ParallelResult:
     ``model``: the (tensor-parallelized) model when ``pp == 1``, else ``None``; ``ddp``: the
     :class:`vescale.parallel.DistributedDataParallel` around it when ``dp > 1`` and ``pp == 1``; ``engine``: the
     :class:`vescale.pipe.PipeEngine` when ``pp > 1`` (its ``step(batch, target)`` runs forward and backward of this
-    dp rank's batch); ``mesh``: the pp/dp/tp mesh (``None`` on one rank); ``report``: the choice.
+    dp rank's batch); ``mesh``: the pp/dp/cp/ep/tp mesh (``None`` on one rank); ``report``: the choice;
+    ``dp_rank`` / ``dp_size``: this rank's slice of the batch (over dp, or dp x ep); ``loss_scale``: what each rank
+    multiplies its mean loss by before backward (1, or ``1 / (dp x ep)`` with ep).
     Unpacks as ``(module, report)`` for the older two-value form.
     """
 
@@ -130,6 +200,7 @@ class ParallelResult:
     engine: Any = None
     dp_rank: int = 0
     dp_size: int = 1
+    loss_scale: float = 1.0  # what each rank multiplies its mean loss by before backward (ep: 1 / (dp x ep))
 
     @property
     def module(self) -> nn.Module | None:
@@ -181,22 +252,29 @@ def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=No
                      memory_budget_gb: float | None = None, batch_size: int = 8, seq_len: int = 2048,
                      apply: bool = True, sequence_parallel: bool = False, example_args: tuple | None = None,
                      example_kwargs: dict | None = None, fixed: dict[str, int] | None = None,
-                     zero_stages: tuple[int, ...] = (0, 1, 2), schedule: str = "1f1b",
+                     zero_stages: tuple[int, ...] = (0, 1, 2, 3), schedule: str = "1f1b",
                      num_microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                      **kw) -> ParallelResult:
     """Choose a parallelization of ``model`` with the cost model and build it; return a :class:`ParallelResult`.
 
-    ``mesh`` (dims named among pp/dp/tp) pins the mesh shape, otherwise ``world_size`` (default: the process group's)
-    is factorised by :func:`choose_parallelism`, restricted by ``fixed`` (e.g. ``{"pp": 2, "tp": 2}``) and
+    ``mesh`` (dims named among pp/dp/cp/ep/tp) pins the mesh shape, otherwise ``world_size`` (default: the process
+    group's) is factorised by :func:`choose_parallelism`, restricted by ``fixed`` (e.g. ``{"pp": 2, "tp": 2}``) and
     ``zero_stages``; ``**kw`` go to it (hardware model, ``max_tp``, ...). ``batch_size`` is the global batch in
     sequences. Every rank must build ``model`` with the same weights (DDP broadcasts from dp rank 0 anyway).
 
-    With ``apply=True`` the whole choice is built on a ``pp x dp x tp`` mesh (dims of size 1 left out):
+    With ``apply=True`` the whole choice is built on a ``pp x dp x cp x ep x tp`` mesh (dims of size 1 left out):
 
     * ``pp == 1``: :func:`auto_plan` on the tp sub-mesh parallelizes ``model`` in place (sequence parallel if asked);
-      for ``dp > 1`` it is wrapped in ``DistributedDataParallel(model, dp_mesh, zero_stage=chosen)``. Each rank
-      feeds ``result.module`` its dp slice (``result.shard_batch``) and calls backward on its mean loss; build the
-      optimizer with ``result.make_optimizer(torch.optim.AdamW, lr=...)`` (a ``DistributedOptimizer`` for ZeRO 1/2).
+      with ``cp > 1`` :func:`vescale.parallel.context_parallel` shards its sequences over cp (every cp rank of a dp
+      rank feeds the same rows; call the model with ``labels`` and use its own loss: the mean over cp is one
+      device's); then ZeRO 3 is :func:`vescale.parallel.fully_shard_dp` over dp (a plain optimizer), and otherwise for
+      ``dp x cp > 1`` the model is wrapped in ``DistributedDataParallel(model, dp [x cp] mesh, zero_stage=chosen)``.
+      Each rank feeds ``result.module`` its dp slice (``result.shard_batch``) and calls backward on its mean loss;
+      build the optimizer with ``result.make_optimizer(torch.optim.AdamW, lr=...)`` (a ``DistributedOptimizer`` for
+      ZeRO 1/2).
+    * ``ep > 1``: :func:`vescale.parallel.parallelize_experts` (experts ``Shard(0)`` over ep, the rest replicated);
+      the batch is split over dp x ep (``result.shard_batch``) and each rank backpropagates its mean loss times
+      ``result.loss_scale`` (``1 / (dp x ep)``: DTensor sums the dense gradients over those ranks).
     * ``pp > 1``: ``vescale.pipe.split`` cuts ``model`` at the report's split points, captured on one microbatch of
       the example inputs (dim 0 set to ``batch_size // dp // num_microbatches``; default token ids
       ``[mb, seq_len]``); with ``tp > 1`` each of this rank's stages is sharded by the plan's parameter entries
@@ -210,15 +288,16 @@ def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=No
     """
     import torch.distributed as dist
 
-    from vescale.core.mesh import init_mesh
+    from vescale.core.mesh import init_mesh, sub_mesh
 
     pinned = None
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names or ())
-        unknown = [n for n in names if n not in ("pp", "dp", "tp")]
+        unknown = [n for n in names if n not in MESH_DIMS]
         if unknown or len(names) != mesh.ndim:
-            raise PlanError(f"auto_parallelize understands mesh dims pp, dp, tp; {mesh} has {unknown or names}")
-        pinned = {n: 1 for n in ("pp", "dp", "tp")} | dict(zip(names, mesh.shape))
+            raise PlanError(f"auto_parallelize understands mesh dims {', '.join(MESH_DIMS)}; {mesh} has "
+                            f"{unknown or names}")
+        pinned = {n: 1 for n in MESH_DIMS} | dict(zip(names, mesh.shape))
         clash = {k: v for k, v in (fixed or {}).items() if pinned.get(k, v) != v}
         if clash:
             raise PlanError(f"fixed={fixed} contradicts the mesh {dict(zip(names, mesh.shape))}")
@@ -241,26 +320,50 @@ def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=No
         raise PlanError(f"batch_size {batch_size} does not divide into dp={c.dp} x {microbatches} microbatches "
                         f"for pp={c.pp}")
     if world_size > 1 and mesh is None:
-        mesh = init_mesh({n: s for n, s in (("pp", c.pp), ("dp", c.dp), ("tp", c.tp)) if s > 1})
+        mesh = init_mesh(c.dims)
     result.mesh = mesh
     dims = tuple(mesh.mesh_dim_names) if mesh is not None else ()
     sub = {dims[0]: mesh} if len(dims) == 1 else {n: mesh[n] for n in dims}
     tp_mesh = sub.get("tp") if c.tp > 1 else None
     if c.dp > 1:
         result.dp_size, result.dp_rank = c.dp, sub["dp"].get_local_rank()
-    if c.pp == 1:
+    if c.ep > 1:  # ep is a data dim: the batch is split over dp x ep (mesh order), the experts over ep
+        ep_rank = sub["ep"].get_local_rank()
+        result.dp_size, result.dp_rank = c.dp * c.ep, result.dp_rank * c.ep + ep_rank
+        from vescale.parallel import parallelize_experts
+
+        parallelize_experts(model, mesh, None)
+        result.loss_scale = 1.0 / (c.dp * c.ep)
+        report.notes.append(f"experts over ep={c.ep} (parallelize_experts); each rank feeds its dp x ep slice "
+                            f"(result.shard_batch) and backpropagates loss x {result.loss_scale:g} "
+                            "(DTensor sums the dense gradients over dp x ep)")
+    elif c.pp == 1:
         if tp_mesh is not None:
             from vescale.parallel import parallelize_module
 
             report.plan = auto_plan(model, tp_mesh, sequence_parallel=sequence_parallel, example_args=example_args,
                                     example_kwargs=example_kwargs, trace=trace)
             parallelize_module(model, tp_mesh, report.plan)
-        if c.dp > 1:
+        if c.cp > 1:
+            from vescale.parallel import context_parallel
+
+            context_parallel(model, sub["cp"])
+            report.notes.append(f"context_parallel over cp={c.cp}: every cp rank of a dp rank feeds the same rows; "
+                                "call the model with labels and use its loss (the mean over cp is one device's)")
+        if c.zero_stage == 3:
+            from vescale.parallel import fully_shard_dp
+
+            fully_shard_dp(model, mesh)
+            report.notes.append(f"ZeRO-3: fully_shard_dp (FSDP2 per block) over dp={c.dp}; a plain optimizer over "
+                                "result.parameters()")
+        elif c.dp * c.cp > 1:
             from vescale.parallel import DistributedDataParallel
 
-            result.ddp = DistributedDataParallel(model, sub["dp"], zero_stage=c.zero_stage)
-            report.notes.append(f"DistributedDataParallel over dp={c.dp}, zero_stage={c.zero_stage}; build the "
-                                "optimizer with result.make_optimizer(cls, **kw)")
+            grad_mesh = (sub["dp"] if c.cp == 1 else sub["cp"] if c.dp == 1
+                         else flattened_mesh(sub_mesh(mesh, "dp", "cp")))
+            result.ddp = DistributedDataParallel(model, grad_mesh, zero_stage=c.zero_stage)
+            report.notes.append(f"DistributedDataParallel over dp x cp = {c.dp * c.cp} ranks, "
+                                f"zero_stage={c.zero_stage}; build the optimizer with result.make_optimizer(cls, **kw)")
     else:
         if tp_mesh is not None:  # parameter entries only: a captured stage has no module boundaries; no SP
             report.plan = auto_plan(model, tp_mesh, sequence_parallel=False, example_args=example_args,

@@ -1,4 +1,5 @@
-"""A cost model for one training step on a pp x dp x tp mesh: flops, bytes per collective per mesh dim, memory.
+"""A cost model for one training step on a pp x dp x cp x ep x tp mesh: flops, bytes per collective per mesh dim,
+memory.
 
 Deliberately simple and explicit (every term is a field of :class:`CostEstimate`), in the spirit of the Megatron-LM
 papers' accounting:
@@ -9,12 +10,22 @@ papers' accounting:
 * tp: per column/row pair, an all-gather and a reduce-scatter of the rank's activations in forward and the same in
   backward (sequence parallel; without it two all-reduces of the same bytes each way), plus the head's logits.
   Ring cost ``(n - 1) / n`` of the full tensor per all-gather/reduce-scatter, twice that per all-reduce.
-* dp: one all-reduce of the rank's gradients per step (ZeRO-1/2: reduce-scatter + all-gather, the same bytes).
+* dp: one all-reduce of the rank's gradients per step (ZeRO-1/2: reduce-scatter + all-gather, the same bytes;
+  ZeRO-3: an all-gather of the parameters in forward, another in backward and a reduce-scatter of the gradients,
+  ``3 (dp - 1) / dp`` of the parameters). With cp the gradient reduction spans dp x cp (cp ranks hold the same
+  parameters); with ep the dense parameters' spans dp x ep, the experts' dp only.
+* cp: per layer, an all-gather of the keys and values (``2 g d`` per token) in forward and a reduce-scatter of their
+  gradients in backward.
+* ep: per MoE layer, each rank's ``k`` routed copies of its tokens (``h`` each) go out and come back by all-to-all in
+  forward and again in backward: ``4 (ep - 1) / ep x tokens x k x h`` bytes.
 * pp: activations of one microbatch sent forward and their gradients backward at each stage boundary.
-* memory per rank: parameters (sharded by tp, split by pp), gradients, Adam's two states and an fp32 master copy
-  when ``param_bytes < 4`` (divided by dp from ZeRO-1 on; gradients too from ZeRO-2), and activations
-  (``34 x tokens x hidden`` bytes per layer at 2-byte activations, divided by tp under sequence parallelism,
-  ``pp`` microbatches in flight on the first stage).
+* memory per rank: parameters (sharded by tp, split by pp; experts' divided by ep), gradients, Adam's two states and
+  an fp32 master copy when ``param_bytes < 4`` (divided by dp from ZeRO-1 on, by dp x cp with cp; gradients too from
+  ZeRO-2; everything, parameters included, from ZeRO-3, plus the largest block gathered whole, twice: the one
+  computing and the one prefetched), and activations (:mod:`vescale.plan.activations`: what autograd keeps per
+  layer, the S^2 term of eager attention included, divided by tp, cp, and the tokens of this rank; ``pp``
+  microbatches in flight on the first stage). Without a :class:`~vescale.plan.activations.ModelShape`, Megatron's
+  ``34 x tokens x hidden`` bytes per layer at 2-byte activations stands in.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from vescale.plan.activations import ModelShape, activation_bytes
 from vescale.plan.trace import ModelTrace
 
 __all__ = ["CostEstimate", "HardwareModel", "estimate"]
@@ -34,6 +46,8 @@ class HardwareModel:
     device_tflops: float = 100.0
     tp_gbps: float = 150.0
     dp_gbps: float = 25.0
+    cp_gbps: float = 150.0  # cp and ep usually span a node too
+    ep_gbps: float = 150.0
     pp_gbps: float = 25.0
     collective_latency_s: float = 20e-6
 
@@ -56,6 +70,19 @@ class CostEstimate:
     memory_gb: float
     fits: bool
     note: str = ""
+    cp: int = 1
+    ep: int = 1
+    cp_bytes: float = 0.0
+    ep_bytes: float = 0.0
+    params_gb: float = 0.0  # parameters + gradients + optimizer states per rank
+    activations_gb: float = 0.0
+    attention_gb: float = 0.0  # the part of the activations that grows faster than the tokens (S^2, gathered k/v)
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The mesh in canonical order, size-1 dims left out."""
+        return {n: s for n, s in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep),
+                                  ("tp", self.tp)) if s > 1}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,11 +104,14 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
              pairs: int, layers: int, batch_size: int, seq_len: int, microbatches: int | None = None,
              param_bytes: int = 4, act_bytes: int = 4, memory_budget_gb: float | None = None,
              hw: HardwareModel | None = None, sequence_parallel: bool = False,
-             vocab: int = 0) -> CostEstimate:
+             vocab: int = 0, cp: int = 1, ep: int = 1, shape: ModelShape | None = None,
+             largest_block: float = 0.0) -> CostEstimate:
     """Estimate one step of ``trace``'s model (see the module docstring for every term).
 
     ``tp_sharded`` are the canonical parameter FQNs the tp plan shards; ``pairs`` its column/row pairs; ``layers``
-    the number of blocks (for activation memory and pipeline); ``batch_size`` the global batch in sequences.
+    the number of blocks (for activation memory and pipeline); ``batch_size`` the global batch in sequences;
+    ``shape`` the model's shape for the activation, cp and ep terms (:func:`vescale.plan.activations.model_shape`);
+    ``largest_block`` the parameter elements of the largest block (ZeRO-3 gathers one whole at a time).
     """
     hw = hw or HardwareModel()
     total, sharded, hidden = _shape_facts(trace, tp_sharded)
@@ -91,32 +121,68 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
     flops += sum(2.0 * math.prod(s) * tokens for f, s in trace.shapes.items()
                  if any(f.startswith(o + ".") for o in trace.opaque if o))
     microbatches = microbatches or max(pp, 1) * 2
-    compute = 3.0 * flops / (pp * dp * tp) / (hw.device_tflops * 1e12)
+    world = pp * dp * cp * ep * tp
+    compute = 3.0 * flops / world / (hw.device_tflops * 1e12)
     bubble = compute * (pp - 1) / microbatches if pp > 1 else 0.0
 
-    rank_tokens = tokens / dp
-    act_full = rank_tokens * hidden * act_bytes  # one [tokens, hidden] activation of this dp rank
+    sequences = batch_size / (dp * ep)  # this rank's sequences (cp ranks share them, each its 1/cp of the tokens)
+    rank_tokens = sequences * seq_len / cp
+    act_full = rank_tokens * hidden * act_bytes  # one [tokens, hidden] activation of this rank
     ring = (tp - 1) / tp if tp > 1 else 0.0
     per_pair = 4 * ring * act_full if sequence_parallel else 4 * 2 * ring * act_full
     tp_bytes = (pairs / pp) * per_pair + (2 * ring * rank_tokens * vocab * act_bytes if tp > 1 else 0.0)
-    params_rank = (total - sharded + sharded / tp) / pp
-    dp_bytes = 2 * (dp - 1) / dp * params_rank * param_bytes if dp > 1 else 0.0
+    experts = float(shape.expert_params) if shape is not None and ep > 1 else 0.0
+    dense = total - experts
+    dense_sharded = min(sharded, dense)
+    params_rank = (dense - dense_sharded + dense_sharded / tp) / pp + experts / ep
+    grad_ranks = dp * cp  # ranks holding the same (dense) parameters whose gradients are averaged
+    dp_factor = 3 if zero_stage == 3 else 2
+    dp_bytes = dp_factor * (grad_ranks - 1) / grad_ranks * params_rank * param_bytes if grad_ranks > 1 else 0.0
+    if ep > 1:  # dense gradients also averaged over ep (experts' over dp only)
+        dense_rank = params_rank - experts / ep
+        dp_bytes = 2 * (dp * ep - 1) / (dp * ep) * dense_rank * param_bytes
+        dp_bytes += 2 * (dp - 1) / dp * experts / ep * param_bytes if dp > 1 else 0.0
+    cp_bytes = ep_bytes = 0.0
+    if cp > 1 and shape is not None:
+        kv = 2 * shape.kv_heads * shape.head_dim / tp * sequences * seq_len * act_bytes  # one layer's k, v
+        cp_bytes = 2 * (cp - 1) / cp * kv * layers / pp
+    if ep > 1 and shape is not None:
+        routed = sequences * seq_len * shape.top_k * shape.hidden * act_bytes
+        ep_bytes = 4 * (ep - 1) / ep * routed * shape.moe_layers
     pp_bytes = 2 * act_full / tp * (pp - 1) / pp * 2 if pp > 1 else 0.0
-    n_coll = (4 * pairs / pp if tp > 1 else 0) + (2 if dp > 1 else 0) + (2 * microbatches if pp > 1 else 0)
-    comm = (tp_bytes / (hw.tp_gbps * 1e9) + dp_bytes / (hw.dp_gbps * 1e9) + pp_bytes / (hw.pp_gbps * 1e9)
-            + n_coll * hw.collective_latency_s)
-    # dp gradient reduction overlaps with backward in DDP; tp/pp traffic sits on the critical path
-    step = compute + bubble + max(comm - (dp_bytes / (hw.dp_gbps * 1e9)), 0.0) \
-        + max(dp_bytes / (hw.dp_gbps * 1e9) - 2 * compute / 3, 0.0)
+    n_coll = (4 * pairs / pp if tp > 1 else 0) + (2 if grad_ranks > 1 else 0) + (2 * microbatches if pp > 1 else 0)
+    n_coll += 2 * layers if cp > 1 else 0
+    n_coll += 4 * (shape.moe_layers if shape is not None else 0) if ep > 1 else 0
+    dp_s = dp_bytes / (hw.dp_gbps * 1e9)
+    comm = (tp_bytes / (hw.tp_gbps * 1e9) + dp_s + pp_bytes / (hw.pp_gbps * 1e9) + cp_bytes / (hw.cp_gbps * 1e9)
+            + ep_bytes / (hw.ep_gbps * 1e9) + n_coll * hw.collective_latency_s)
+    # dp gradient reduction overlaps with backward in DDP; tp/cp/ep/pp traffic sits on the critical path (ZeRO-3's
+    # forward gathers too: a third of its dp bytes)
+    exposed_dp = dp_s / 3 if zero_stage == 3 else 0.0
+    step = compute + bubble + max(comm - dp_s, 0.0) + exposed_dp + max(dp_s - exposed_dp - 2 * compute / 3, 0.0)
 
-    weights = params_rank * param_bytes
-    grads = params_rank * param_bytes / (dp if zero_stage >= 2 else 1)
-    states = params_rank * (8 + (4 if param_bytes < 4 else 0)) / (dp if zero_stage >= 1 else 1)
+    shard = grad_ranks if zero_stage else 1
+    weights = params_rank * param_bytes / (shard if zero_stage >= 3 else 1)
+    grads = params_rank * param_bytes / (shard if zero_stage >= 2 else 1)
+    states = params_rank * (8 + (4 if param_bytes < 4 else 0)) / (shard if zero_stage >= 1 else 1)
+    if zero_stage >= 3:
+        weights += 2 * largest_block / tp * param_bytes  # the block computing and the one prefetched, gathered
     layers_rank = max(layers / pp, 1)
-    acts = 34 * (rank_tokens / microbatches if pp > 1 else rank_tokens) * hidden * layers_rank * act_bytes / 2
-    acts = acts / tp if sequence_parallel else acts * (0.5 + 0.5 / tp)
-    acts *= min(pp, microbatches) if pp > 1 else 1
-    mem_gb = (weights + grads + states + acts) / 2**30
+    in_flight = min(pp, microbatches) if pp > 1 else 1
+    if shape is not None:
+        acts_b = activation_bytes(shape, sequences=sequences / microbatches if pp > 1 else sequences,
+                                  seq_len=seq_len, layers=layers_rank, tp=tp, cp=cp,
+                                  sequence_parallel=sequence_parallel, act_bytes=act_bytes)
+        acts = (acts_b.total - acts_b.head) * in_flight + acts_b.head
+        attention = (acts_b.quadratic + acts_b.gathered_kv) * in_flight
+    else:
+        acts = 34 * (rank_tokens / microbatches if pp > 1 else rank_tokens) * hidden * layers_rank * act_bytes / 2
+        acts = acts / tp if sequence_parallel else acts * (0.5 + 0.5 / tp)
+        acts *= in_flight
+        attention = 0.0
+    state_bytes = weights + grads + states
+    mem_gb = (state_bytes + acts) / 2**30
     fits = memory_budget_gb is None or mem_gb <= memory_budget_gb
     return CostEstimate(pp, dp, tp, zero_stage, compute, bubble, tp_bytes, dp_bytes, pp_bytes, comm, step, mem_gb,
-                        fits)
+                        fits, cp=cp, ep=ep, cp_bytes=cp_bytes, ep_bytes=ep_bytes, params_gb=state_bytes / 2**30,
+                        activations_gb=acts / 2**30, attention_gb=attention / 2**30)

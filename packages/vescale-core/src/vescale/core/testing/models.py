@@ -99,16 +99,22 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        y = self.causal_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
+        return self.resid_dropout(self.wo(y))
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[B, H, T, D]``: causal self-attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, T, D]`` (the hook
+        ``vescale.parallel.context_parallel`` replaces on each instance to attend across a cp-sharded sequence)."""
+        t = q.shape[2]
         groups = self.n_head // self.n_kv_head
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         att = self.attn_dropout(F.softmax(scores, dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(b, t, -1)
-        return self.resid_dropout(self.wo(y))
+        return att @ v
 
 
 class MLP(nn.Module):
@@ -168,18 +174,23 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables ``[seq_len, head_dim]`` for positions ``0 .. seq_len-1``."""
-        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    def rotary(self, seq_len: int, device: torch.device,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables ``[seq_len, head_dim]`` for ``positions`` (int ``[seq_len]``; default
+        ``0 .. seq_len-1``)."""
+        pos = (torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None
+               else positions.to(device=device, dtype=torch.float32))
         freqs = torch.outer(pos, self.inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the tokens' global positions for the rotary tables (context parallelism passes each
+        rank's)."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self.rotary(t, tokens.device)
+        cos, sin = self.rotary(t, tokens.device, positions)
         x = self.drop(self.embed(tokens))
         for layer in self.layers:
             x = layer(x, cos, sin)
