@@ -16,51 +16,20 @@ import pytest
 import torch
 from torch import nn
 
+from vescale.core.testing.models import TiedPair, TiedPairStage
+
 V, D, SEQ, BATCH, M = 16, 8, 4, 8, 2  # vocab, width, sequence, global batch, microbatches per dp rank
 MAX_NORM = 0.05  # below the norm, so clipping scales every gradient
-
-
-class _Whole(nn.Module):
-    """The single-device model: the embedding weight is used twice (input embedding and output projection)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.l1, self.l2 = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.l2(torch.tanh(self.l1(self.emb(x))))) @ self.emb.weight.T
-
-
-class _First(nn.Module):
-    def __init__(self, whole: _Whole) -> None:
-        super().__init__()
-        self.emb, self.l1 = nn.Embedding(V, D), nn.Linear(D, D)
-        self.load_state_dict({k: v for k, v in whole.state_dict().items() if k.split(".")[0] in ("emb", "l1")})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.l1(self.emb(x)))
-
-
-class _Last(nn.Module):
-    """Holds its own ``emb.weight``: the same FQN as stage 0's, so the engine ties them."""
-
-    def __init__(self, whole: _Whole) -> None:
-        super().__init__()
-        self.emb, self.l2 = nn.Embedding(V, D), nn.Linear(D, D)
-        self.load_state_dict({k: v for k, v in whole.state_dict().items() if k.split(".")[0] in ("emb", "l2")})
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.l2(h)) @ self.emb.weight.T
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
 
 
-def _reference(x: torch.Tensor, y: torch.Tensor) -> tuple[_Whole, dict, float, dict, dict]:
+def _reference(x: torch.Tensor, y: torch.Tensor) -> tuple[TiedPair, dict, float, dict, dict]:
     """Plain torch on one device: model, gradients, clip norm, clipped gradients, params after one SGD(lr=1) step."""
     torch.manual_seed(0)
-    whole = _Whole()
+    whole = TiedPair(V, D)
     _loss(whole(x), y).backward()
     grads = {n: p.grad.clone() for n, p in whole.named_parameters()}
     norm = float(torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM))
@@ -88,7 +57,7 @@ def _run(zero: int, dtensor_stages: bool = False) -> dict:
     x, y = torch.randint(0, V, (BATCH, SEQ), generator=g), torch.randint(0, V, (BATCH, SEQ), generator=g)
     whole, ref_grads, ref_norm, ref_clipped, ref_stepped = _reference(x, y)
     mine = x.chunk(2)[dp.get_local_rank()], y.chunk(2)[dp.get_local_rank()]
-    stage = (_First if pp.get_local_rank() == 0 else _Last)(whole)
+    stage = TiedPairStage(whole, pp.get_local_rank())
     if dtensor_stages:
         from torch.distributed.tensor import Replicate
 

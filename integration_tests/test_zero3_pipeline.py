@@ -17,40 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+from vescale.core.testing.models import TiedPair, TiedPairStage
+
 V, D, SEQ, BATCH, M = 16, 8, 4, 8, 4  # vocab, width, sequence, global batch, microbatches per dp rank
-
-
-class _Whole(nn.Module):
-    """The single-device model: the embedding weight is used twice (input embedding and output projection)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.l1, self.l2 = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.l2(torch.tanh(self.l1(self.emb(x))))) @ self.emb.weight.T
-
-
-class _First(nn.Module):
-    def __init__(self, whole: _Whole) -> None:
-        super().__init__()
-        self.emb, self.l1 = nn.Embedding(V, D), nn.Linear(D, D)
-        self.load_state_dict({k: v for k, v in whole.state_dict().items() if k.split(".")[0] in ("emb", "l1")})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.l1(self.emb(x)))
-
-
-class _Last(nn.Module):
-    """Holds its own ``emb.weight``: the same FQN as stage 0's, so the engine ties them."""
-
-    def __init__(self, whole: _Whole) -> None:
-        super().__init__()
-        self.emb, self.l2 = nn.Embedding(V, D), nn.Linear(D, D)
-        self.load_state_dict({k: v for k, v in whole.state_dict().items() if k.split(".")[0] in ("emb", "l2")})
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.l2(h)) @ self.emb.weight.T
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -75,11 +44,11 @@ def _run(mesh_spec: str, schedule: str, reshard_after_forward: bool) -> dict:
     x, y = torch.randint(0, V, (BATCH * dp_ranks // 2, SEQ), generator=g), torch.randint(
         0, V, (BATCH * dp_ranks // 2, SEQ), generator=g)
     torch.manual_seed(0)
-    whole = _Whole()
+    whole = TiedPair(V, D)
     _loss(whole(x), y).backward()  # one device, plain torch: the reference gradients
     ref = {n: p.grad.clone() for n, p in whole.named_parameters()}
     mine = x.chunk(dp_ranks)[dp_rank], y.chunk(dp_ranks)[dp_rank]
-    stage = (_First if pp.get_local_rank() == 0 else _Last)(whole)
+    stage = TiedPairStage(whole, pp.get_local_rank())
     engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss,
                         schedule=schedule)
     engine.wrap_stages(lambda s, module, late: fully_shard_stage(
@@ -148,8 +117,8 @@ def _refused(schedule: str) -> str:
     mesh = init_mesh("pp=2,dp=2")
     pp = sub_mesh(mesh, "pp")
     torch.manual_seed(0)
-    whole = _Whole()
-    stage = (_First if pp.get_local_rank() == 0 else _Last)(whole)
+    whole = TiedPair(V, D)
+    stage = TiedPairStage(whole, pp.get_local_rank())
     engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss,
                         schedule=schedule)
     try:

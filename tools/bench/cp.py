@@ -41,28 +41,11 @@ def _model(small: bool):
     return tf.LlamaForCausalLM(config).train()
 
 
-def _saved_bytes(step, model) -> int:
-    """Bytes of the distinct storages autograd saves while ``step()`` runs its forward, parameters left out."""
-    import torch
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    loss.backward()
-    return sum(seen.values())
-
-
 def _measure(small: bool, seq_len: int, steps: int, cp: int) -> dict:
     import torch
     import torch.distributed as dist
+
+    from vescale.core.testing.reference import saved_activation_bytes
 
     model = _model(small)
     if cp > 1:
@@ -75,7 +58,7 @@ def _measure(small: bool, seq_len: int, steps: int, cp: int) -> dict:
     def step():
         return model(input_ids=tokens, labels=tokens, use_cache=None if cp > 1 else False).loss
 
-    activation = _saved_bytes(step, model)
+    activation = saved_activation_bytes(model, step)
     times = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)

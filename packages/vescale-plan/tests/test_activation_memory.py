@@ -13,25 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from vescale.core.testing import run_on_ranks
+from vescale.core.testing.reference import saved_activation_bytes
 from vescale.plan import activation_bytes, model_shape, trace_model
 
 B = 2
-
-
-def _saved_bytes(model, step) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    loss.backward()
-    return sum(seen.values())
 
 
 def _build(kind: str):
@@ -58,14 +43,14 @@ def _measure(kind: str, seq_len: int) -> tuple[int, float, str]:
     shape = model_shape(model, trace_model(model))
     ids = torch.randint(0, 256, (B, seq_len), generator=torch.Generator().manual_seed(1))
     if kind == "gpt":
-        got = _saved_bytes(model, lambda: F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()))
+        got = saved_activation_bytes(model, lambda: F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()))
     else:
-        got = _saved_bytes(model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+        got = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
     return got, activation_bytes(shape, sequences=B, seq_len=seq_len).total, shape.attention
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama_sdpa", "llama_eager", "mixtral"])
-def test_activation_formula_matches_saved_bytes(kind):
+def test_activation_formula_matchessaved_activation_bytes(kind):
     short, long = _measure(kind, 64), _measure(kind, 128)
     for got, est, _ in (short, long):
         assert abs(est - got) <= 0.05 * got, (kind, got, est)
@@ -88,7 +73,7 @@ def _cp_measure(seq_len: int, cp: int) -> tuple[int, float]:
     shape = model_shape(model, trace_model(model))
     context_parallel(model, init_mesh({"cp": cp}))
     ids = torch.randint(0, 256, (B, seq_len), generator=torch.Generator().manual_seed(1))
-    got = _saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+    got = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
     return got, activation_bytes(shape, sequences=B, seq_len=seq_len, cp=cp).total
 
 

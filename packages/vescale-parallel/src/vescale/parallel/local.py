@@ -226,14 +226,7 @@ class FastBlock:
     def _params(self) -> list[tuple] | None:
         """``(projection, "weight" | "bias", parameter)`` now, or None if a parameter is no longer on the plan's mesh
         with the placements checked when the block was installed (replaced since, e.g. by ZeRO 3)."""
-        found = []
-        for child, attr, placements in self.params:
-            owner = getattr(self.module, child)
-            t = getattr(owner, attr)
-            if not isinstance(t, DTensor) or t.device_mesh != self.mesh or tuple(t.placements) != placements:
-                return None
-            found.append((owner, attr, t))
-        return found
+        return _current_params(self.module, self.mesh, self.params)
 
     def _run_local(self, args: tuple, kwargs: dict, params: list[tuple]) -> Any:
         x = self._input(args, kwargs)
@@ -302,13 +295,9 @@ class FastLayer:
                 and _arguments_apply(args, kwargs, x, self.mesh))
 
     def _params(self) -> list[tuple] | None:
-        found = []
-        for child, attr, placements in self.norms:
-            owner = getattr(self.module, child)
-            t = getattr(owner, attr)
-            if not isinstance(t, DTensor) or t.device_mesh != self.mesh or tuple(t.placements) != placements:
-                return None
-            found.append((owner, attr, t))
+        found = _current_params(self.module, self.mesh, self.norms)
+        if found is None:
+            return None
         for block in self.blocks:
             got = block._params()
             if got is None:
@@ -334,6 +323,19 @@ class FastLayer:
         return (_FromLocal.apply(out[0], self.mesh, placements, placements), *out[1:])  # older transformers: a tuple
 
 
+def _current_params(module: nn.Module, mesh, entries: list[tuple]) -> list[tuple] | None:
+    """``(owner, attr, dtensor)`` for each ``(child, attr, placements)`` entry as the module holds it now, or None if
+    one is no longer a DTensor on ``mesh`` with those placements (replaced since it was checked)."""
+    found = []
+    for child, attr, placements in entries:
+        owner = getattr(module, child)
+        t = getattr(owner, attr)
+        if not isinstance(t, DTensor) or t.device_mesh != mesh or tuple(t.placements) != placements:
+            return None
+        found.append((owner, attr, t))
+    return found
+
+
 def _heads(placements: tuple, k: int) -> tuple:
     """Placements of a per-head tensor ``[batch, heads, ...]``: heads sharded on ``k``, the batch as the input's."""
     return tuple(Shard(1) if i == k else p for i, p in enumerate(placements))
@@ -341,7 +343,8 @@ def _heads(placements: tuple, k: int) -> tuple:
 
 def _localized(args: tuple, kwargs: dict, x: DTensor, grad_in, mesh, k: int) -> tuple[tuple, dict]:
     """The arguments as local tensors: the input differentiably (its gradient taken as ``grad_in``), the others (which
-    need no gradient: checked) as they are; a KV cache wrapped to store head-sharded DTensors (:class:`_CacheOfDTensors`)."""
+    need no gradient: checked) as they are; a KV cache wrapped to store head-sharded DTensors
+    (:class:`_CacheOfDTensors`)."""
 
     def local(v: Any) -> Any:
         if v is x:

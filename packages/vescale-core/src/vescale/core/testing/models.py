@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "RMSNorm", "Attention", "MLP", "Block", "cross_entropy"]
+__all__ = ["GPTConfig", "GPT", "RMSNorm", "Attention", "MLP", "Block", "cross_entropy", "TiedPair", "TiedPairStage"]
 
 
 @dataclass
@@ -200,3 +200,37 @@ class GPT(nn.Module):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean next-token loss over all positions: ``logits [B, T, V]``, ``targets [B, T]``."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
+
+
+class TiedPair(nn.Module):
+    """The smallest model with a weight shared by two pipeline stages: an embedding, two tanh layers, and the embedding
+    weight again as the output projection. ``TiedPairStage(model, i)`` cuts it in two."""
+
+    def __init__(self, vocab: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.emb, self.l1, self.l2 = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l2(torch.tanh(self.l1(self.emb(x))))) @ self.emb.weight.T
+
+
+class TiedPairStage(nn.Module):
+    """Stage ``index`` (0 or 1) of a :class:`TiedPair`, with that model's values: stage 0 embeds and applies ``l1``;
+    stage 1 applies ``l2`` and the projection by its own copy of ``emb.weight``, under the same FQN as stage 0's, so
+    a pipeline engine ties the two."""
+
+    def __init__(self, whole: TiedPair, index: int) -> None:
+        super().__init__()
+        if index not in (0, 1):
+            raise ValueError(f"a TiedPair has stages 0 and 1, not {index}")
+        vocab, width = whole.emb.weight.shape
+        self.index = index
+        self.emb = nn.Embedding(vocab, width)
+        layer = "l1" if index == 0 else "l2"
+        setattr(self, layer, nn.Linear(width, width))
+        self.load_state_dict({k: v for k, v in whole.state_dict().items() if k.split(".")[0] in ("emb", layer)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.index == 0:
+            return torch.tanh(self.l1(self.emb(x)))
+        return torch.tanh(self.l2(x)) @ self.emb.weight.T

@@ -11,6 +11,7 @@ process over the whole batch. These helpers are that loop, written once:
   rank's rows of each global batch, returning the dp-mean loss per step.
 * :func:`one_thread` / :func:`single_threaded` pin torch to one intra-op thread (tiny models on a loaded machine).
 * :func:`progression_batch` is a small learnable batch (arithmetic progressions), the same on every process.
+* :func:`saved_activation_bytes` measures what autograd keeps for backward (activation memory, parameters apart).
 
 Only torch is needed; the default loss is :func:`vescale.core.testing.models.cross_entropy`.
 """
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 __all__ = ["assert_first_adamw_step", "ReferenceRun", "reference_training", "reference_gradients", "data_parallel_training", "one_thread",
-           "single_threaded", "progression_batch"]
+           "single_threaded", "progression_batch", "saved_activation_bytes"]
 
 #: ``step -> (inputs, targets)``: the global batch of a step, the same on every rank and in the reference.
 Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -206,3 +207,21 @@ def assert_first_adamw_step(name: str, w: torch.Tensor, w_ref: torch.Tensor, g: 
     assert excess.max() <= 0, (f"{name}: element {worst} is {w.flatten()[worst].item()!r}, one device "
                                f"{w_ref.flatten()[worst].item()!r}; bound {bound.flatten()[worst].item():.3g} "
                                f"(gradient {g.flatten()[worst].item():.3g} vs {g_ref.flatten()[worst].item():.3g})")
+
+
+def saved_activation_bytes(model: nn.Module, step: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``step()`` runs the forward (returning the
+    loss, which is then back-propagated), the model's parameters left out: the activation memory of one step."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    loss.backward()
+    return sum(seen.values())
