@@ -83,10 +83,15 @@ def _assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-device run: its loss per step and its first step's gradients."""
+    return _single_device(tmp_path_factory, "gpt-tiny")
+
+
+def _single_device(tmp_path_factory, model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """train.py on one rank (``dp=1``) with ``model``: its loss per step and its first step's gradients."""
     from vescale.core.testing import run_on_ranks
 
-    out = tmp_path_factory.mktemp("ref")
-    run_on_ranks(train.train, 1, _cfg("dp=1", out, grad_dump=str(out / "grads.safetensors")))
+    out = tmp_path_factory.mktemp(f"ref-{model}")
+    run_on_ranks(train.train, 1, _cfg("dp=1", out, model=model, grad_dump=str(out / "grads.safetensors")))
     return _losses(out), _grads(out)
 
 
@@ -150,11 +155,7 @@ CONTEXT_PARALLEL = [(2, "cp=2"), (4, "dp=2,cp=2"), (4, "cp=2,tp=2")]
 @pytest.fixture(scope="module")
 def llama_reference_run(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-device run of the unmodified HF Llama (context parallelism takes transformers models)."""
-    from vescale.core.testing import run_on_ranks
-
-    out = tmp_path_factory.mktemp("ref-llama")
-    run_on_ranks(train.train, 1, _cfg("dp=1", out, model="llama", grad_dump=str(out / "grads.safetensors")))
-    return _losses(out), _grads(out)
+    return _single_device(tmp_path_factory, "llama")
 
 
 @pytest.mark.parametrize("world_size,mesh", CONTEXT_PARALLEL,
@@ -174,11 +175,7 @@ EXPERT_PARALLEL = [(4, "dp=2,ep=2", {}), (4, "dp=2,ep=2", {"zero": 2})]
 @pytest.fixture(scope="module")
 def mixtral_reference_run(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-device run of the unmodified HF Mixtral."""
-    from vescale.core.testing import run_on_ranks
-
-    out = tmp_path_factory.mktemp("ref-mixtral")
-    run_on_ranks(train.train, 1, _cfg("dp=1", out, model="mixtral", grad_dump=str(out / "grads.safetensors")))
-    return _losses(out), _grads(out)
+    return _single_device(tmp_path_factory, "mixtral")
 
 
 @pytest.mark.parametrize("world_size,mesh,kw", EXPERT_PARALLEL,
