@@ -4,7 +4,7 @@ over the ranks that share a kv head, each rank's KV cache holding only that head
 Against the unmodified model on one process: greedy ``generate()`` (dynamic and static cache, left padding) and seeded
 sampling token for token; the training loss's gradients of every parameter (the replicated k/v weights' included),
 with and without the KV cache in the training call. Llama with 2 kv heads on tp=4 and Qwen2 (q/k/v biases) with one kv
-head (MQA) on tp=2. Not covered here: dp x tp (its gradients were not checked). Refusals: head counts that neither
+head (MQA) on tp=2 and on dp2 x tp2 (each dp rank its own rows of the batch). Refusals: head counts that neither
 divide nor replicate, and a plan that splits k/v inside a head.
 """
 
@@ -15,7 +15,7 @@ import pytest
 from vescale.core.testing import multi_rank
 
 RTOL, ATOL = 1e-5, 1e-6
-CASES = {"llama": ({"tp": 4}, 2), "qwen2": ({"tp": 2}, 1)}  # kind: (mesh, num_key_value_heads)
+CASES = {"llama": ({"tp": 4}, 2), "qwen2": ({"tp": 2}, 1), "qwen2-dp": ({"dp": 2, "tp": 2}, 1)}  # (mesh, kv heads)
 
 
 def _build(kind: str, kv: int):
@@ -37,6 +37,11 @@ def test_qwen2_one_kv_head_on_tp2_match_one_device():
     _check("qwen2")
 
 
+@multi_rank(world_sizes=[4])
+def test_qwen2_one_kv_head_on_dp2_x_tp2_match_one_device():
+    _check("qwen2-dp")
+
+
 def _check(kind: str) -> None:
     import copy
 
@@ -47,6 +52,7 @@ def _check(kind: str) -> None:
     from vescale.parallel import PLANS, parallelize_module, replicate_kv_heads
 
     dims, kv = CASES[kind]
+    kind = kind.removesuffix("-dp")
     mesh = init_mesh(dims)
     tp = dims["tp"]
     torch.manual_seed(0)
