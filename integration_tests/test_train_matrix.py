@@ -198,6 +198,12 @@ def test_pipeline_context_parallel_gpt_matches_single_device(reference_run, tmp_
     _check_run(4, "pp=2,cp=2", reference_run, tmp_path, ranks)
 
 
+def test_zero3_over_dp_and_cp_gpt_matches_single_device(reference_run, tmp_path, ranks):
+    """dp=2 x cp=2 --zero 3 on the in-repo GPT: FSDP2 shards the parameters over dp x cp flattened and averages the
+    gradients there, as DDP does with cp (sharding over dp alone leaves the cp sum: 1.12x one device's gradient)."""
+    _check_run(4, "dp=2,cp=2", reference_run, tmp_path, ranks, zero=3)
+
+
 def test_activation_checkpointing_matches_single_device(reference_run, tmp_path, ranks):
     """--activation-checkpointing selective on tp=2 (matmul outputs saved, the rest recomputed in backward under
     the root's factory capture) against the one-device run without checkpointing."""
@@ -415,7 +421,7 @@ def test_resume_on_another_mesh_continues_the_curve(ws_a, mesh_a, ws_b, mesh_b, 
     (["--mesh", "tp=2", "--reduce-dtype", "bf16"], "--reduce-dtype bf16 needs --dtype bf16"),
     (["--mesh", "pp=2,dp=2", "--dtype", "bf16", "--zero", "3"], "--dtype bf16 with pp > 1 and --zero 3 is not"),
     (["--mesh", "cp=4", "--model", "llama", "--seq-len", "20"], "--seq-len 20 is not divisible by 2 x cp = 8"),
-    (["--mesh", "dp=2,cp=2", "--zero", "3"], "cp composes with pp, dp and tp"),
+    (["--mesh", "cp=2,tp=2", "--zero", "3"], "not with ep/HSDP, --zero 3 with tp or pp"),
     (["--mesh", "pp=2,cp=2", "--model", "llama"], "pp x cp runs the built-in GPTs"),
 ])
 def test_a_mesh_that_does_not_fit_is_refused_before_any_rank_starts(argv, reason, capsys):

@@ -129,10 +129,12 @@ def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"--seq-len {cfg.seq_len} is not divisible by 2 x cp = {2 * cp} (each sequence is cut into "
                         f"2 x cp chunks, a head and a tail per cp rank)")
     other = sorted(set(cfg.dims) - {"pp", "dp", "cp", "tp"})
-    if other or cfg.zero == 3 or cfg.compile or cfg.eval_every or cfg.sample_every:
+    if other or cfg.compile or cfg.eval_every or cfg.sample_every or (cfg.zero == 3 and (
+            cfg.dims.get("tp", 1) > 1 or cfg.dims.get("pp", 1) > 1)):
         problems.append(f"--mesh {cfg.mesh}: cp composes with pp, dp and tp (ZeRO 0-2, bf16, --grad-accum, activation "
-                        f"checkpointing) in train.py; not with {', '.join(other) or 'ep/HSDP'}, --zero 3, "
-                        f"--compile, --eval-every or --sample-every")
+                        f"checkpointing; ZeRO 3 over dp x cp without tp or pp) in train.py; not with "
+                        f"{', '.join(other) or 'ep/HSDP'}, --zero 3 with tp or pp, --compile, --eval-every or "
+                        f"--sample-every")
     if cfg.dims.get("pp", 1) > 1 and (cfg.dims.get("tp", 1) > 1 or cfg.model not in models.MODEL_SIZES):
         problems.append(f"--mesh {cfg.mesh}: pp x cp runs the built-in GPTs ({' / '.join(sorted(models.MODEL_SIZES))}) "
                         f"without tp (a tp-sharded captured stage would hand the cp attention operator DTensors)")

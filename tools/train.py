@@ -394,7 +394,8 @@ def apply_zero3(model: nn.Module, mesh, cfg: TrainConfig) -> nn.Module:
         f", HSDP {dim_size(mesh, HSDP_DIMS[0])} replicas x {dim_size(mesh, HSDP_DIMS[1])} shards" if hsdp else "")
         + f", {cfg.dtype}")
     policy = bf16_policy(getattr(torch, DTYPES[cfg.reduce_dtype])) if cfg.dtype == "bf16" else None
-    return fully_shard_dp(model, mesh, mp_policy=policy)
+    # with cp the parameters are sharded (and gradients averaged) over dp x cp flattened, as DDP's are (grad_mesh)
+    return fully_shard_dp(model, grad_mesh(mesh) if dim_size(mesh, "cp") > 1 else mesh, mp_policy=policy)
 
 
 def mesh_dims(cfg: TrainConfig) -> dict[str, int]:
