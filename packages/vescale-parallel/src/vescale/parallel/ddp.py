@@ -372,11 +372,10 @@ class DistributedDataParallel(nn.Module):
             if bucket.shard_grad is not None:
                 bucket.shard_grad.copy_(data)
         elif bucket.shard_grad is not None:
-            op = reduction.reduce_op(data)
-            bucket.work = _reduce_scatter(bucket.shard_grad, data, op=op, group=reduction.group, async_op=True)
+            bucket.work = _reduce_scatter(bucket.shard_grad, data, op=reduction.reduce_op(data), group=reduction.group,
+                                          async_op=True)
         else:
-            op = reduction.reduce_op(data)
-            bucket.work = dist.all_reduce(data, op=op, group=reduction.group, async_op=True)
+            bucket.work = dist.all_reduce(data, op=reduction.reduce_op(data), group=reduction.group, async_op=True)
         bucket.launched = True
         self._next_launch = bucket.index + 1
 
