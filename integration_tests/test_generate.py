@@ -4,7 +4,8 @@ device.
 
 End to end as a user runs it (``python tools/generate.py``, 2 spawned CPU ranks, tp=2, greedy: the streamed text and
 the JSON summary), its rank function on pooled ranks (GPT-2 with tied embeddings, seeded sampling through a static
-cache, tp=2 and dp=2 x tp=2), and its refusals of bad input before any rank starts.
+cache, tp=2 and dp=2 x tp=2, each rank holding half of one device's cache), and its refusals of bad input before any
+rank starts.
 """
 
 from __future__ import annotations
@@ -88,7 +89,16 @@ def test_sharded_load_samples_like_from_pretrained(tmp_path, world_size):
     # a sampled batch is one random stream: each dp group's draws are one device's for that group's prompts
     want = [row for g in range(world_size // 2) for row in _reference(path, prompts[2 * g:2 * g + 2], **dict(kw))]
     assert summary["tokens"] == want, (summary["tokens"], want)
-    assert summary["kv_cache_bytes_per_rank"][0] > 0
+    # GPT-2's cache sharded by heads (its fused c_attn output splits into head-sharded q, k, v): every rank holds
+    # half of one device's static cache for its group's two rows
+    import transformers as tf
+
+    one = tf.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids, mask = generate.encode(cfg, one.config, None)
+    out = one.generate(input_ids=ids[:2], attention_mask=mask[:2], pad_token_id=generate.pad_id(one.config),
+                       max_new_tokens=6, cache_implementation="static", return_dict_in_generate=True)
+    one_device = generate.cache_bytes(out.past_key_values)
+    assert one_device > 0 and summary["kv_cache_bytes_per_rank"] == [one_device // 2] * world_size, summary
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -72,6 +72,7 @@ def _run(zero: int, dtensor_stages: bool = False) -> dict:
     engine.step(*mine)  # a first step, cleared as zero_grad(set_to_none=True) clears it: the checked step is the second
     for p in engine.parameters():  # (the tied sum must not subtract the first step's values still in DDP's buffer)
         p.grad = None
+    ddp.zero_grad(set_to_none=True)  # (ZeRO-2 keeps reduced shards: only zero_grad clears them, as .grad on one device)
     with count_comms(mesh) as counter:
         engine.step(*mine)
         ddp.finish_grad_sync()  # a no-op: the engine finished it (counted if it were not)

@@ -8,7 +8,10 @@ second step (the first's gradients set to None, as ``zero_grad`` does). Over dp 
 (the stage's parameters, gathered at its first forward and kept through the microbatches) and one reduce-scatter
 (the sum of all microbatches' gradients, in the last backward), or with ``reshard_after_forward=True`` still one
 reduce-scatter but an all-gather per use; after the step the stage holds its shards only. A zero-bubble schedule,
-whose split backward FSDP2's hooks do not see, is refused on every rank.
+whose split backward FSDP2's hooks do not see, is refused on every rank. bf16: a stage built in bf16 (as
+``tools/train.py`` captures one) sharded with ``master_dtype=torch.float32`` holds fp32 masters (the bf16 init,
+widened) and fp32 gradients, within the bf16 bound of the bf16 model's gradients on one device; masters for a stage
+not built in the policy's compute dtype are refused.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
 
 
-def _run(mesh_spec: str, schedule: str, reshard_after_forward: bool) -> dict:
-    """On each rank: two pipeline steps with ZeRO-3 stages; the second's gradients and collectives over dp."""
+def _run(mesh_spec: str, schedule: str, reshard_after_forward: bool, bf16: bool = False) -> dict:
+    """On each rank: two pipeline steps with ZeRO-3 stages; the second's gradients and collectives over dp. ``bf16``:
+    the stage is built in bf16 (as a pipeline split captures it for bf16 compute) and sharded with fp32 masters and
+    FSDP2's bf16 policy (``master_dtype``); the reference is the bf16 model on one device."""
     from torch.distributed.tensor import DTensor, Shard
 
     from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh, sub_mesh
     from vescale.parallel import fully_shard_stage
-    from vescale.parallel.zero3 import zero3_dp_mesh
+    from vescale.parallel.zero3 import bf16_policy, zero3_dp_mesh
     from vescale.pipe import PipeEngine
 
     mesh = init_mesh(mesh_spec)
@@ -44,15 +49,16 @@ def _run(mesh_spec: str, schedule: str, reshard_after_forward: bool) -> dict:
     x, y = torch.randint(0, V, (BATCH * dp_ranks // 2, SEQ), generator=g), torch.randint(
         0, V, (BATCH * dp_ranks // 2, SEQ), generator=g)
     torch.manual_seed(0)
-    whole = TiedPair(V, D)
+    whole = TiedPair(V, D).to(torch.bfloat16 if bf16 else torch.float32)
     _loss(whole(x), y).backward()  # one device, plain torch: the reference gradients
     ref = {n: p.grad.clone() for n, p in whole.named_parameters()}
     mine = x.chunk(dp_ranks)[dp_rank], y.chunk(dp_ranks)[dp_rank]
-    stage = TiedPairStage(whole, pp.get_local_rank())
+    stage = TiedPairStage(whole, pp.get_local_rank()).to(whole.emb.weight.dtype)
     engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss,
                         schedule=schedule)
+    precision = {"mp_policy": bf16_policy(), "master_dtype": torch.float32} if bf16 else {}
     engine.wrap_stages(lambda s, module, late: fully_shard_stage(
-        module, mesh, reshard_after_forward=reshard_after_forward))
+        module, mesh, reshard_after_forward=reshard_after_forward, **precision))
     engine.step(*mine)  # a first step, cleared as zero_grad(set_to_none=True) clears it: the checked step is second
     for p in engine.parameters():
         p.grad = None
@@ -67,11 +73,18 @@ def _run(mesh_spec: str, schedule: str, reshard_after_forward: bool) -> dict:
             out["errors"].append(f"{name} is held as {type(held).__name__} after the step, not a dp shard")
         if id(p) not in optimizer_params:
             out["errors"].append(f"{name}: the engine's parameters() lost the sharded parameter")
+        if bf16 and not (isinstance(p, DTensor) and p.dtype == torch.float32
+                         and torch.equal(p.full_tensor(), whole.get_parameter(name).float())):
+            out["errors"].append(f"{name}: the master is {p.dtype}, not the bf16 init widened to fp32")
         if not (isinstance(p.grad, DTensor) and Shard(0) in p.grad.placements):
             out["errors"].append(f"{name}: its gradient is not a reduce-scattered dp shard")
             continue
         got = p.grad.full_tensor()
-        if not torch.allclose(got, ref[name], rtol=1e-5, atol=1e-7):
+        if bf16:  # bf16 compute in another order: the bound (2**-5 of the norm) derived in test_train_matrix.py
+            err = float((got - ref[name].float()).norm() / ref[name].float().norm())
+            if got.dtype != torch.float32 or err > 2**-5:
+                out["errors"].append(f"gradient of {name}: {got.dtype}, relative error {err:.3g} in norm")
+        elif not torch.allclose(got, ref[name], rtol=1e-5, atol=1e-7):
             out["errors"].append(f"gradient of {name}: max error {(got - ref[name]).abs().max():.3g}, norm ratio "
                                  f"{float(got.norm() / ref[name].norm()):.6g}")
         out["checked"].append(name)
@@ -79,17 +92,19 @@ def _run(mesh_spec: str, schedule: str, reshard_after_forward: bool) -> dict:
 
 
 CELLS = [
-    (4, "pp=2,dp=2", "1f1b", False),
-    (4, "pp=2,dp=2", "gpipe", True),
-    (8, "pp=2,dp_replicate=2,dp_shard=2", "1f1b", False),
+    (4, "pp=2,dp=2", "1f1b", False, False),
+    (4, "pp=2,dp=2", "gpipe", True, False),
+    (8, "pp=2,dp_replicate=2,dp_shard=2", "1f1b", False, False),
+    (4, "pp=2,dp=2", "1f1b", False, True),  # bf16 stages over fp32 masters
 ]
 
 
-@pytest.mark.parametrize("world_size,mesh,schedule,reshard_after_forward", CELLS,
-                         ids=[f"{m.replace(',', 'x').replace('=', '')}-{s}-reshard{int(r)}" for _, m, s, r in CELLS])
+@pytest.mark.parametrize("world_size,mesh,schedule,reshard_after_forward,bf16", CELLS,
+                         ids=[f"{m.replace(',', 'x').replace('=', '')}-{s}-reshard{int(r)}" + ("-bf16" if b else "")
+                              for _, m, s, r, b in CELLS])
 def test_zero3_stages_match_one_device_with_one_reduction_per_step(world_size, mesh, schedule, reshard_after_forward,
-                                                                    ranks):
-    results = ranks(_run, world_size, mesh, schedule, reshard_after_forward)
+                                                                    bf16, ranks):
+    results = ranks(_run, world_size, mesh, schedule, reshard_after_forward, bf16)
     checked = set()
     for rank, r in enumerate(results):
         assert not r["errors"], f"rank {rank}: {r['errors']}"
@@ -131,3 +146,16 @@ def _refused(schedule: str) -> str:
 def test_a_split_backward_schedule_is_refused_on_every_rank(ranks):
     for rank, message in enumerate(ranks(_refused, 4, "zb_h1")):
         assert "split backward (BI / BW)" in message and "'zb_h1'" in message, (rank, message)
+
+
+def test_fp32_masters_of_a_stage_not_captured_in_the_compute_dtype_are_refused():
+    """``master_dtype`` widens a stage captured in the compute dtype; a stage whose parameters are already fp32 (its
+    graph captured in fp32) with a bf16 policy would hand that graph bf16 parameters: refused, naming a parameter,
+    before the mesh is looked at (no collective)."""
+    from vescale.parallel import fully_shard_stage
+    from vescale.parallel.errors import Zero3Error
+    from vescale.parallel.zero3 import bf16_policy
+
+    stage = TiedPairStage(TiedPair(V, D), 0)
+    with pytest.raises(Zero3Error, match=r"param_dtype is torch.bfloat16.*emb.weight \(torch.float32\)"):
+        fully_shard_stage(stage, None, mp_policy=bf16_policy(), master_dtype=torch.float32)

@@ -14,7 +14,8 @@ memory-mapped and copies only the boxes of its own shards, so the pages it touch
 row-sharded weight is one contiguous range; a column-sharded one a strided range of every row). No rank ever holds a
 whole sharded weight. A model with fewer key/value heads than tp ranks (GQA/MQA) is planned by ``auto_plan``
 (``k_proj``/``v_proj`` replicated) and each rank's KV cache keeps only the kv head its query heads read
-(``vescale.parallel.replicate_kv_heads``).
+(``parallelize_module`` sets this up: ``vescale.parallel.kv_replicas``; the summary counts the layers as
+``kv_replica_layers``).
 
 All prompts are tokenized together, left-padded to one length, and split into ``dp`` contiguous groups: each dp group
 generates its own rows (``model.generate`` of the parallelized model). Greedy output is what one device's
@@ -256,7 +257,7 @@ def compile_config():
 def generate(cfg: GenerateConfig) -> dict:
     """Run on this rank (the default process group is initialised); rank 0 returns the summary."""
     from vescale.core.mesh import init_mesh, sub_mesh
-    from vescale.parallel import replicate_kv_heads
+    from vescale.parallel.kv_replicas import kv_replicated_modules
 
     rank = dist.get_rank()
     dp, tp = cfg.dims.get("dp", 1), cfg.dims.get("tp", 1)
@@ -265,7 +266,8 @@ def generate(cfg: GenerateConfig) -> dict:
     t0 = time.perf_counter()
     model, config = load_sharded(cfg.model, mesh, plan_for(cfg), getattr(torch, cfg.dtype))
     load_s = time.perf_counter() - t0
-    replicate_kv_heads(model, mesh)  # kv heads fewer than tp: each rank's cache keeps only the kv head it reads
+    # kv heads fewer than tp: parallelize_module set each rank's cache to keep only the kv head it reads
+    replicas = len(kv_replicated_modules(model))
     tokenizer = None
     if has_tokenizer(Path(cfg.model)):
         from transformers import AutoTokenizer
@@ -315,7 +317,7 @@ def generate(cfg: GenerateConfig) -> dict:
         "static_cache": cfg.static_cache, "compile": cfg.compile,
         # HF keeps its compiled forward here once generate() has used it for a decode step
         "compiled_decode": hasattr(model, "_compiled_call"), "tokens": tokens, "texts": texts, "plan": plan_for(cfg),
-        "kv_heads_replicated": kv_replicated(cfg),
+        "kv_heads_replicated": kv_replicated(cfg), "kv_replica_layers": replicas,
         # not the rows of one device's whole-batch run: said in the output, never silently different
         "sampling_stream": ("one seeded stream per dp group: each group's tokens are one device's generate() of that "
                             "group's prompts") if cfg.do_sample and dp > 1 else None,

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "HF_MODELS", "MODELS", "ModelSpec", "model_spec", "create", "tp_plan",
-           "is_hf_dir", "hf_config", "hf_weight_names", "tied_names", "pretrained_problems", "load_pretrained",
+           "is_hf_dir", "hf_config", "hf_weight_names", "tied_names", "pretrained_problems", "stored_names",
+           "load_pretrained",
            "load_sharded", "matmul_params", "flops_per_token", "has_tokenizer", "export_pretrained"]
 
 
@@ -323,8 +324,14 @@ def pretrained_problems(name: str) -> list[str]:
         model = create(name)
     held = {k: list(t.shape) for k, t in model.state_dict().items()}
     tied = tied_names(model)
-    problems = [f"--model {name}: {k!r} (shape {shape}) is not in its safetensors" for k, shape in held.items()
-                if k not in files and tied.get(k) not in files]
+    stored = stored_names(name, held)  # (experts one tensor per expert, by transformers' conversion rules)
+    problems = [f"--model {name}: {k!r} is {_stored_shape(s, files)} from its safetensors "
+                f"({s.parts[0][0]!r}, ...), {held[k]} in the model built from its config.json"
+                for k, s in stored.items() if _stored_shape(s, files) != held[k]]
+    files = {**{k: v for k, v in files.items() if not any(k in p for s in stored.values() for p in s.parts)},
+             **{k: held[k] for k in stored}}
+    problems += [f"--model {name}: {k!r} (shape {shape}) is not in its safetensors" for k, shape in held.items()
+                 if k not in files and tied.get(k) not in files]
     problems += [f"--model {name}: {k!r} is {files[k]} in its safetensors, {shape} in the model built from its "
                  f"config.json" for k, shape in held.items() if k in files and files[k] != shape]
     problems += [f"--model {name}: its safetensors hold {k!r}, which the model built from its config.json has not"
@@ -341,15 +348,20 @@ def load_pretrained(src: str, modules: list[nn.Module], *, stages: bool = False,
     input embedding's tensor (that one tensor read whole on that rank). No communication; call it before DDP or the
     optimizer take the parameters (their flat buffers and master copies are views of, or copies from, them).
     A whole model (``stages=False``, one module) loads strictly; pipeline stages (``stages=True``) each hold a part,
-    so their loads are not strict: ``pretrained_problems`` has checked the names and shapes beforehand."""
+    so their loads are not strict: ``pretrained_problems`` has checked the names and shapes beforehand. Tensors the
+    directory stores under other names (:func:`stored_names`: Mixtral's experts, one tensor per expert) are read by
+    ``_load_stored``, each rank reading only its boxes (an ep rank: its experts' tensors)."""
     from vescale.checkpoint import import_hf
 
-    if not stages:  # the whole model: a strict load (which also resolves weights tied by storage)
+    # tensors the directory holds under other names (experts one tensor per expert), read by _load_stored
+    stored = [stored_names(src, {k: list(t.shape) for k, t in m.state_dict().items()}) for m in modules]
+    if not stages and not stored[0]:  # the whole model: a strict load (which also resolves weights tied by storage)
         import_hf(src, modules[0])
         return
     files = hf_weight_names(src)
-    for module in modules:
-        import_hf(src, module, strict=False)
+    for module, renamed in zip(modules, stored):
+        import_hf(src, module, strict=False)  # (with renamed tensors: pretrained_problems checked every name)
+        _load_stored(src, module, renamed)
         for name, t in module.state_dict().items():
             if name not in files and (tied or {}).get(name) in files:
                 _copy_whole(src, tied[name], t)
@@ -370,6 +382,127 @@ def _copy_whole(src: str, key: str, target: torch.Tensor) -> None:
             target.to_local().copy_(local)
         else:
             target.copy_(whole)
+
+
+# -- directories that store a model's tensors under other names (experts one tensor per expert) ---------------------
+
+# The conversion operations of transformers' checkpoint conversion rules this reader applies: stacking the per-expert
+# tensors along a new dim 0 (MergeModulelist) and concatenating the stacked parts along dim 1 (Concatenate).
+_CONVERSION_OPS = {("MergeModulelist", 0), ("Concatenate", 1)}
+
+
+@dataclass
+class _Stored:
+    """Where a model tensor lives in an HF directory: ``parts[i][e]``, the file tensor of part ``i`` of expert
+    ``e`` (the parts concatenated along dim 1, the experts stacked along dim 0), or with ``stacked`` False one part
+    of one tensor, the model tensor itself under another name."""
+
+    parts: list[list[str]]
+    stacked: bool
+
+
+def stored_names(src: str, held: dict[str, list[int]]) -> dict[str, _Stored]:
+    """The model tensors (``held``: FQN -> shape) that the HF directory ``src`` stores under other names, by the
+    installed ``transformers``' own checkpoint conversion rules for its ``model_type``: renames, and stacked experts
+    (Mixtral's ``save_pretrained`` writes ``block_sparse_moe.experts.E.w1/w3/w2.weight``, one tensor per expert,
+    for the model's ``mlp.experts.gate_up_proj [E, 2I, D]`` and ``down_proj [E, D, I]``). Tensors the directory
+    holds under the model's own name are left out; so are rules with operations other than stacking and
+    concatenating (their tensors are then reported by :func:`pretrained_problems`). No tensor data is read."""
+    import re
+
+    files = hf_weight_names(src)
+    if all(k in files for k in held):
+        return {}
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without conversion rules: its models keep the directory's names
+        return {}
+    rules = get_checkpoint_conversion_mapping(hf_config(src).model_type) or []
+    renames = [(r.source_patterns[0], r.target_patterns[0]) for r in rules if type(r).__name__ == "WeightRenaming"]
+    converters = [r for r in rules if type(r).__name__ == "WeightConverter" and len(r.target_patterns) == 1
+                  and {(type(o).__name__, getattr(o, "dim", None)) for o in r.operations} <= _CONVERSION_OPS]
+    found: dict[str, dict[int, dict[int, str]]] = {}
+    out: dict[str, _Stored] = {}
+    for name in files:
+        key = name
+        for pattern, target in renames:
+            key = re.sub(pattern, target, key)
+        for conv in converters:
+            for part, pattern in enumerate(conv.source_patterns):
+                m = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+                if m:
+                    target = key[:m.start()] + conv.target_patterns[0] + key[m.end():]
+                    found.setdefault(target, {}).setdefault(part, {})[int(m.group(1))] = name
+                    break
+            else:
+                continue
+            break
+        else:
+            if key != name and key in held and key not in files:
+                out[key] = _Stored([[name]], stacked=False)
+    for target, parts in found.items():
+        if target in held and target not in files:
+            experts = held[target][0]
+            if sorted(parts) == list(range(len(parts))) and all(sorted(p) == list(range(experts))
+                                                                  for p in parts.values()):
+                out[target] = _Stored([[parts[i][e] for e in range(experts)] for i in range(len(parts))], True)
+    return out
+
+
+def _stored_shape(stored: _Stored, files: dict[str, list[int]]) -> list[int]:
+    """The model tensor's shape that ``stored``'s file tensors make."""
+    first = files[stored.parts[0][0]]
+    if not stored.stacked:
+        return list(first)
+    return [len(stored.parts[0]), sum(files[p[0]][0] for p in stored.parts), *first[1:]]
+
+
+def _load_stored(src: str, module: nn.Module, stored: dict[str, _Stored]) -> None:
+    """Fill ``module``'s tensors named in ``stored`` from the HF directory ``src``, each rank reading only the bytes
+    of the boxes it holds (a DTensor's local chunks; an expert parameter ``Shard(0)`` on ep: its experts' tensors)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    from vescale.dtensor.layout import local_chunks
+
+    index = Path(src, INDEX_FILE)
+    where = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+    files = hf_weight_names(src)
+    handles: dict[str, object] = {}
+
+    def part(name: str):
+        file = str(Path(src, where.get(name, "model.safetensors")))
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt")
+        return handles[file].get_slice(name)
+
+    with torch.no_grad():
+        for fqn, t in module.state_dict().items():
+            info = stored.get(fqn)
+            if info is None:
+                continue
+            if isinstance(t, DTensor):
+                local = t.to_local()
+                chunks = [(c.global_offset, c.local_offset, c.size)
+                          for c in local_chunks(t.shape, t.device_mesh, t.placements)]
+            else:
+                local, chunks = t, [((0,) * t.dim(), (0,) * t.dim(), tuple(t.shape))]
+            for offsets, at, size in chunks:
+                view = local[tuple(slice(a, a + n) for a, n in zip(at, size))]
+                if not info.stacked:
+                    view.copy_(part(info.parts[0][0])[tuple(slice(o, o + n) for o, n in zip(offsets, size))])
+                    continue
+                rest = tuple(slice(o, o + n) for o, n in zip(offsets[2:], size[2:]))
+                for e in range(offsets[0], offsets[0] + size[0]):
+                    start = 0  # where each part begins along dim 1 of the model tensor
+                    for names in info.parts:
+                        rows = files[names[e]][0]
+                        lo, hi = max(start, offsets[1]), min(start + rows, offsets[1] + size[1])
+                        if lo < hi:
+                            view[e - offsets[0], lo - offsets[1]:hi - offsets[1]].copy_(
+                                part(names[e])[(slice(lo - start, hi - start), *rest)])
+                        start += rows
+    handles.clear()
 
 
 def load_sharded(src: str, mesh, plan: str = "hand", dtype: torch.dtype = torch.float32):

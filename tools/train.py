@@ -84,7 +84,8 @@ def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
 
 
 def cast_model(model: nn.Module, cfg: TrainConfig) -> None:
-    """``--dtype bf16`` with ZeRO 0-2: ``model``'s floating-point parameters and buffers to bf16, in place, before
+    """``--dtype bf16`` with ZeRO 0-2 (and ZeRO 3 with pp, whose stages are captured in bf16 and widened to fp32
+    masters by ``apply_zero3_stages``): ``model``'s floating-point parameters and buffers to bf16, in place, before
     anything splits, shards or wraps it; DDP's fp32 buffer and ``DistributedOptimizer``'s fp32 masters keep the
     gradient reduction and the update in fp32. A deferred model records the cast
     (``vescale.dtensor.record_deferred``): each rank casts only what it materialises, bitwise the one-device fp32
@@ -112,8 +113,10 @@ def ep_trainer(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole_
     rows it is given; the step's loss is the mean over all of them and so are the gradients (each rank backpropagates
     its share, loss / ep). With dp (or ZeRO 1/2, which add dp=1): ``DistributedDataParallel(data_dims=("ep",))``
     reduces the dense parameters' gradients over dp x ep and the experts' over dp, bucketed; ZeRO shards each over
-    those ranks."""
-    from vescale.parallel import DistributedDataParallel, parallelize_experts
+    those ranks. ``--grad-accum`` and ``--activation-checkpointing`` as on any mesh (a checkpointed block re-runs its
+    token dispatch in backward); ``--dtype bf16`` is refused with ep for now (config.py says why). pp x ep:
+    ``ep_pipeline``."""
+    from vescale.parallel import DistributedDataParallel, checkpoint_activations, parallelize_experts
     from vescale.pipe.timeline import span
     from vescale.plan import language_model_loss
 
@@ -131,19 +134,28 @@ def ep_trainer(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole_
     init_s = time.perf_counter() - t0
     ep_mesh = sub_mesh(mesh, "ep")
     rank = ep_mesh.get_local_rank()
-    ddp = (DistributedDataParallel(model, mesh, zero_stage=2 if cfg.zero == 2 else 0, data_dims=("ep",))
-           if has_dp else None)
+    if cfg.activation_checkpointing != "none":  # each block's forward (its token dispatch too) re-run in backward
+        checkpoint_activations(model, cfg.activation_checkpointing)
+    ddp = (DistributedDataParallel(model, mesh, zero_stage=2 if cfg.zero == 2 else 0, data_dims=("ep",),
+                                   grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype])) if has_dp else None)
     module = ddp if ddp is not None else model
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x, y = inputs.chunk(ep)[rank], targets.chunk(ep)[rank]
-        with span("forward", cat="forward"):
-            loss = language_model_loss(module(input_ids=x), y)
-        with span("backward", cat="backward"):
-            (loss / ep).backward()
-            if ddp is not None:
-                ddp.finish_grad_sync()
-        total = loss.detach().clone()
+        # --grad-accum N: N micro-steps over equal slices of this ep rank's rows, each loss / (ep N); DDP reduces
+        # only in the last micro-step's backward
+        n, total = cfg.grad_accum, None
+        rows = zip(inputs.chunk(ep)[rank].chunk(n), targets.chunk(ep)[rank].chunk(n))
+        for i, (x, y) in enumerate(rows):
+            last = i == n - 1
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                with span("forward", cat="forward"):
+                    loss = language_model_loss(module(input_ids=x), y) / n
+                with span("backward", cat="backward"):
+                    (loss / ep).backward()
+                    if ddp is not None and last:
+                        ddp.finish_grad_sync()
+            total = loss.detach() if total is None else total + loss.detach()
+        total = total.clone()
         dist.all_reduce(total, group=ep_mesh.get_group())
         return total / ep
 
@@ -152,6 +164,60 @@ def ep_trainer(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole_
     return Trainer(forward_backward, params, optimizer, {"model": model, "optim": optimizer}, num_params, init_s,
                    whole_bytes if cfg.init == "eager" else state_bytes([model]),
                    grads=lambda: grads_by_fqn([model], ddp), flops_per_token=flops)
+
+
+def ep_pipeline(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole_bytes: int, flops: int,
+                t0: float, device: torch.device) -> Trainer:
+    """``--mesh pp=P,[dp=D,]ep=E``: pipeline stages whose MoE blocks dispatch tokens over ep. Before the split each
+    experts module's dispatch becomes one operator (``vescale.parallel.experts_as_operator``), which the captured
+    stage graphs keep whole; each stage then keeps this ep rank's experts (``keep_local_experts``: plain
+    ``[E / ep, ...]`` parameters; the stage is materialised whole first, then sliced). Each (dp, ep) rank pipelines
+    its own rows; after the step the dense gradients are averaged over dp x ep and the experts' divided by ep and
+    averaged over dp (``reduce_expert_parallel_grads``: one flat all-reduce per group, not bucketed in backward)."""
+    from vescale.parallel.clip_grad import mark_tied_copy
+    from vescale.parallel.experts import experts_as_operator, keep_local_experts, reduce_expert_parallel_grads
+
+    ep_mesh = sub_mesh(mesh, "ep")
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    dp_group = sub_mesh(mesh, "dp").get_group() if dim_size(mesh, "dp") > 1 else None
+    log(cfg, f"ep={ep}: every MoE block of the pipeline stages dispatches its tokens over ep")
+    experts = experts_as_operator(model, mesh)
+    engine = apply_pp(model, mesh, cfg, device)
+    held = list(engine.stages.values())
+    if models.is_hf_dir(cfg.model):
+        models.load_pretrained(cfg.model, held, stages=True, tied=models.tied_names(model))
+
+    def local_experts(index: int, stage: nn.Module, late: list) -> nn.Module:
+        keep_local_experts(stage, experts, mesh)  # in place; the engine collects the stage's new parameters
+        return stage
+
+    engine.wrap_stages(local_experts)
+    held = list(engine.stages.values())
+    init_s = time.perf_counter() - t0
+    expert_fqns = {fqn for info in experts for fqn in info.params}
+    named = [(n, p) for stage in held for n, p in stage.named_parameters() if p.requires_grad]
+    for p in engine.tied_copies():
+        mark_tied_copy(p)
+    pp_group = sub_mesh(mesh, "pp").get_group()
+
+    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = engine.step(inputs.chunk(ep)[rank], targets.chunk(ep)[rank]).detach().clone()
+        reduce_expert_parallel_grads(named, expert_fqns, ep_mesh.get_group(), dp_group)
+        dist.all_reduce(loss, group=ep_mesh.get_group())
+        return loss / ep
+
+    def whole_grads() -> dict[str, torch.Tensor]:  # experts gathered over ep (the --grad-dump of one device)
+        out = grads_by_fqn(held)
+        for name in sorted(set(out) & expert_fqns):
+            parts = [torch.empty_like(out[name]) for _ in range(ep)]
+            dist.all_gather(parts, out[name].contiguous(), group=ep_mesh.get_group())
+            out[name] = torch.cat(parts)
+        return out
+
+    optimizer = build_optimizer(engine.parameters(), None, cfg, pp_group=pp_group)
+    return Trainer(forward_backward, engine.parameters(), optimizer, {"model": held, "optim": optimizer},
+                   num_params, init_s, whole_bytes if cfg.init == "eager" else state_bytes(held), grads=whole_grads,
+                   flops_per_token=flops)
 
 
 def apply_pp(model: nn.Module, mesh, cfg: TrainConfig, device: torch.device):
@@ -163,7 +229,8 @@ def apply_pp(model: nn.Module, mesh, cfg: TrainConfig, device: torch.device):
     log(cfg, f"pp={pp}: schedule {cfg.schedule}, {mb} microbatches" + (", stages tp-sharded" if tp > 1 else ""))
     return build_pipeline(
         model, sub_mesh(mesh, "pp"), schedule=cfg.schedule, num_microbatches=mb, loss_fn=language_model_loss,
-        example_inputs=torch.zeros(cfg.batch_size // dp // mb, cfg.seq_len, dtype=torch.long, device=device),
+        example_inputs=torch.zeros(cfg.batch_size // dp // dim_size(mesh, "ep") // mb, cfg.seq_len, dtype=torch.long,
+                                   device=device),  # (with ep each ep rank runs its own rows: ep_pipeline)
         tp_mesh=tp_mesh, plan=models.tp_plan(cfg.model, tp_mesh, False, model) if tp_mesh is not None else None,
         device=device, compile=cfg.compile)  # dp: each stage's own DDP (apply_dp_stages), no flat all-reduce
 
@@ -210,12 +277,17 @@ def apply_dp_stages(engine, mesh, cfg: TrainConfig) -> list:
 def apply_zero3_stages(engine, mesh, cfg: TrainConfig) -> None:
     """ZeRO 3 (or HSDP) of each of this rank's pipeline stages (``vescale.parallel.fully_shard_stage``): a stage is
     one FSDP2 unit over dp, gathered at its first forward of a step and freed after its last backward, whose
-    gradients are summed locally over the microbatches and reduce-scattered once, in that last backward."""
+    gradients are summed locally over the microbatches and reduce-scattered once, in that last backward. With
+    ``--dtype bf16`` the stage was captured in bf16: its parameters become fp32 masters before sharding and FSDP2's
+    policy gathers them in bf16 for the graph, reducing gradients in ``--reduce-dtype``."""
     from vescale.parallel.zero3 import bf16_policy, fully_shard_stage
 
     log(cfg, f"dp={dp_size(mesh)}: each pipeline stage sharded by FSDP2 (ZeRO 3), {cfg.dtype}")
     policy = bf16_policy(getattr(torch, DTYPES[cfg.reduce_dtype])) if cfg.dtype == "bf16" else None
-    engine.wrap_stages(lambda index, stage, late: fully_shard_stage(stage, mesh, mp_policy=policy))
+    master = torch.float32 if policy is not None else None  # the bf16-captured stage's parameters widened to fp32
+    over = grad_mesh(mesh) if dim_size(mesh, "cp") > 1 else mesh  # with cp: over dp x cp flattened, as apply_zero3
+    engine.wrap_stages(lambda index, stage, late: fully_shard_stage(stage, over, mp_policy=policy,
+                                                                    master_dtype=master))
 
 
 def build_optimizer(params: list[nn.Parameter], ddp, cfg: TrainConfig, pp_group=None) -> torch.optim.Optimizer:
@@ -271,8 +343,12 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
     flops = models.flops_per_token(models.matmul_params(model), models.model_spec(cfg.model), cfg.seq_len)
     pretrained = models.is_hf_dir(cfg.model)  # then each rank fills what it holds from the directory's safetensors
     tied = models.tied_names(model) if pretrained else {}
-    if cfg.dtype != "fp32" and cfg.zero != 3:  # (ZeRO 3: FSDP2's fp32 shards, cast for compute by its policy)
+    # ZeRO 3: FSDP2's fp32 shards, cast for compute by its policy; with pp the stages are still captured in bf16 (the
+    # graph hard-codes its dtypes) and apply_zero3_stages widens their parameters back to fp32 masters
+    if cfg.dtype != "fp32" and (cfg.zero != 3 or dim_size(mesh, "pp") > 1):
         cast_model(model, cfg)
+    if dim_size(mesh, "pp") > 1 and dim_size(mesh, "ep") > 1:  # (config.py: pp x [dp x] ep, fp32, ZeRO 0)
+        return ep_pipeline(cfg, mesh, model, num_params, whole_bytes, flops, t0, device)
     if dim_size(mesh, "pp") > 1:
         cp_positions = None
         if dim_size(mesh, "cp") > 1:  # before the split: the captured stages call the cp attention operator

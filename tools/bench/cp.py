@@ -16,7 +16,9 @@ fp32, on ``cp`` CPU ranks (cp = 1: the plain model on one pooled rank). Reported
 
 Torch's own ``torch.distributed.tensor.experimental.context_parallel`` is tried on the same model on 2 ranks; it
 implements ring attention for the CUDA attention kernels only, so on CPU the bench records what it does (the error,
-a hang past ``--torch-timeout``, or whether its logits differ from one device) rather than a time.
+a hang past ``--torch-timeout``, or whether its logits differ from one device) rather than a time. (Seen with torch
+2.13: CPU sdpa's ``aten._scaled_dot_product_flash_attention_for_cpu`` has neither a ring handler nor a DTensor
+sharding strategy; one rank raises ``NotImplementedError`` while the other waits in an all-gather: a hang.)
 
 Prints one JSON object.
 """

@@ -18,6 +18,11 @@ after the last step (parameters, gradients with their buffers, optimizer states)
 figures of each ZeRO stage for P fp32 parameters over dp ranks with AdamW (params / grads / optimizer bytes): ZeRO 0
 4P / 4P / 8P, ZeRO 1 4P / 4P / 8P/dp, ZeRO 2 4P / 4P/dp / 8P/dp, ZeRO 3 4P/dp / 4P/dp / 8P/dp. Prints one JSON object
 with the figures and the ratios (vescale / torch; < 1 is better for vescale).
+
+``--memory`` (also part of the full run, as ``memory_table``): vescale ZeRO 0/1/2/3, each without and with activation
+checkpointing (``checkpoint_activations(model, "full")``: ``+ac`` in a method's name), one row each: the measured
+peak, the bytes held after the step beside the theoretical ones, and (DDP-based stages) the largest gradient-buffer
+bytes seen at any gradient hook of any step's backward (ZeRO-2: the shards plus the full buckets alive then).
 """
 
 from __future__ import annotations
@@ -60,25 +65,32 @@ def _run(method: str, small: bool, steps: int) -> dict:
     base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, state, numel, held = _train(method, *_config(small), steps, device, cuda)
+    times, state, numel, held, grads_peak = _train(method, *_config(small), steps, device, cuda)
     peak = (torch.cuda.max_memory_allocated() if cuda else _rss_bytes()) - base
     # The slowest rank's median step, and the largest per-rank memory figures.
-    worst = torch.tensor([statistics.median(times), peak, state, *held], dtype=torch.float64, device=device)
+    worst = torch.tensor([statistics.median(times), peak, state, -1 if grads_peak is None else grads_peak, *held],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    held_bytes = dict(zip(("params", "grads", "optimizer"), (int(v) for v in worst[3:].tolist())))
+    held_bytes = dict(zip(("params", "grads", "optimizer"), (int(v) for v in worst[4:].tolist())))
+    theory = _theory(method, numel, dist.get_world_size())
     return {"step_s": worst[0].item(), "peak_mem_bytes": int(worst[1].item()), "opt_state_bytes": int(worst[2].item()),
             "full_opt_state_bytes": 2 * 4 * numel, "params": numel, "held_bytes_per_rank": held_bytes,
-            "theory_bytes_per_rank": _theory(method, numel, dist.get_world_size())}
+            "theory_bytes_per_rank": theory, "held_total": sum(held_bytes.values()),
+            "theory_total": sum(theory.values()),
+            "grads_peak_in_backward_bytes": None if worst[3].item() < 0 else int(worst[3].item())}
 
 
 # ZeRO stage of each method, for its theoretical bytes per rank.
 _STAGE = {"torch_ddp": 0, "vescale_ddp": 0, "vescale_zero1": 1, "vescale_zero2": 2, "torch_fsdp2_no_reshard": 2,
           "vescale_zero3": 3, "torch_fsdp2": 3}
+# The --memory table: vescale's ZeRO 0/1/2/3, each without and with full activation checkpointing ("+ac").
+_MEMORY_METHODS = tuple(m + ac for m in ("vescale_ddp", "vescale_zero1", "vescale_zero2", "vescale_zero3")
+                        for ac in ("", "+ac"))
 
 
 def _theory(method: str, numel: int, dp: int) -> dict:
     """Bytes per rank of fp32 parameters, gradients and AdamW's two states at this method's ZeRO stage."""
-    stage = _STAGE[method]
+    stage = _STAGE[method.removesuffix("+ac")]
     return {"params": 4 * numel // (dp if stage >= 3 else 1), "grads": 4 * numel // (dp if stage >= 2 else 1),
             "optimizer": 8 * numel // (dp if stage >= 1 else 1)}
 
@@ -116,6 +128,11 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     numel = sum(p.numel() for p in model.parameters())
+    if method.endswith("+ac"):  # every block's activations recomputed in backward (only its input is kept)
+        from vescale.parallel import checkpoint_activations
+
+        checkpoint_activations(model, "full")
+        method = method.removesuffix("+ac")
 
     if method == "torch_ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
@@ -159,6 +176,18 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
     else:
         raise ValueError(method)
 
+    grads_peak = None
+    if hasattr(model, "grad_buffer_bytes"):  # vescale DDP: its gradient bytes at every gradient hook of backward
+        from torch.autograd.graph import get_gradient_edge
+
+        grads_peak = [0]
+
+        def sample(*_):
+            grads_peak[0] = max(grads_peak[0], model.grad_buffer_bytes())
+
+        for p in model.slots:  # hooks run after DDP's own (registered first) on the same node, which DDP keeps
+            get_gradient_edge(p).node.register_hook(sample)
+
     g = torch.Generator().manual_seed(rank)
     times = []
     for step in range(steps + 1):  # one warm-up step
@@ -183,7 +212,7 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 local = v.to_local() if hasattr(v, "to_local") else v
                 state += local.numel() * local.element_size()
-    return times, state, numel, held
+    return times, state, numel, held, None if grads_peak is None else grads_peak[0]
 
 
 def _build_zero3(method: str, cfg, device):
@@ -283,7 +312,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--small", action="store_true", help="tiny model, few steps (a smoke run)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--only", nargs="+", choices=sorted(_STAGE), help="run these methods only (no ratios)")
+    parser.add_argument("--only", nargs="+", choices=sorted({*_STAGE, *_MEMORY_METHODS}),
+                        help="run these methods only (no ratios)")
+    parser.add_argument("--memory", action="store_true",
+                        help="only the memory table: vescale ZeRO 0/1/2/3 without and with activation checkpointing")
     parser.add_argument("--zero3-vs-fsdp2", action="store_true",
                         help="only the interleaved ZeRO-3 vs torch FSDP2 comparison (see --rounds)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -300,8 +332,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(out, indent=1))
         return out
     results = {}
+    if args.memory:
+        for method in _MEMORY_METHODS:
+            results[method] = spawn(_run, args.world_size, method, args.small, steps)
+        out = {"bench": "dp", "world_size": args.world_size, "small": args.small, "steps": steps,
+               "memory_measure": _memory_measure(args.world_size), "memory_table": _memory_table(results)}
+        print(json.dumps(out, indent=1))
+        return out
     methods = ("torch_ddp", "vescale_ddp", "vescale_zero1", "torch_fsdp2_no_reshard", "vescale_zero2", "torch_fsdp2",
-               "vescale_zero3")
+               "vescale_zero3", *(m for m in _MEMORY_METHODS if m.endswith("+ac")))
     for method in args.only or methods:
         results[method] = spawn(_run, args.world_size, method, args.small, steps)
     if args.only:
@@ -315,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         "small": args.small,
         "steps": steps,
         "params": results["torch_ddp"]["params"],
-        "memory_measure": "cuda max_memory_allocated" if _cuda_ranks(args.world_size) else "peak RSS growth",
+        "memory_measure": _memory_measure(args.world_size),
         "results": results,
         "ddp_step_time_ratio": results["vescale_ddp"]["step_s"] / results["torch_ddp"]["step_s"],
         "ddp_peak_mem_ratio": _ratio(results["vescale_ddp"]["peak_mem_bytes"], results["torch_ddp"]["peak_mem_bytes"]),
@@ -329,9 +368,31 @@ def main(argv: list[str] | None = None) -> dict:
         "zero3_vs_fsdp2_interleaved": spawn(_zero3_vs_fsdp2, args.world_size, args.small, rounds, 2),
         "zero2_opt_state_vs_full_over_dp": results["vescale_zero2"]["opt_state_bytes"] * dp / full,
         "fsdp2_opt_state_vs_full_over_dp": results["torch_fsdp2_no_reshard"]["opt_state_bytes"] * dp / full,
+        "memory_table": _memory_table(results),
     }
     print(json.dumps(out, indent=1))
     return out
+
+
+def _memory_table(results: dict) -> list[dict]:
+    """One row per ZeRO stage and activation checkpointing (of ``_MEMORY_METHODS`` run): measured peak, held bytes
+    after the step against the theoretical ones (params + grads + optimizer), and their ratio."""
+    rows = []
+    for method in _MEMORY_METHODS:
+        r = results.get(method)
+        if r is None:
+            continue
+        rows.append({"method": method, "zero": _STAGE[method.removesuffix("+ac")],
+                     "activation_checkpointing": "full" if method.endswith("+ac") else "none",
+                     "peak_mem_bytes": r["peak_mem_bytes"], "held_bytes": r["held_bytes_per_rank"],
+                     "theory_bytes": r["theory_bytes_per_rank"], "held_total": r["held_total"],
+                     "theory_total": r["theory_total"], "held_over_theory": _ratio(r["held_total"], r["theory_total"]),
+                     "grads_peak_in_backward_bytes": r["grads_peak_in_backward_bytes"]})
+    return rows
+
+
+def _memory_measure(world_size: int) -> str:
+    return "cuda max_memory_allocated" if _cuda_ranks(world_size) else "peak RSS growth"
 
 
 def _ratio(a: float, b: float) -> float | None:

@@ -19,11 +19,11 @@ matmuls), on a ``tp=2`` mesh of CPU ranks, parallelized three ways in the same r
 Two steps: ``train`` (forward to full logits, cross-entropy, backward; no optimizer) and ``decode`` (one token of
 ``model.generate``, greedy, dynamic cache, timed by a streamer: the mean step after the first token). Modes are
 interleaved step by step (vescale, torch, floor, ...) so machine noise hits all alike; each figure is the median over
-steps of the slowest rank, with the rank processes' CPU time per train step beside the wall time (on a loaded
-machine the wall time of a collective is mostly waiting for the other rank). ``--profile`` adds, per mode, the
-profiler's top entries by self CPU time for one train step on rank 0 (aten ops of a DTensor include DTensor's
-dispatch in their self time), per step. Prints one JSON object; also checks that all three produce the same loss /
-tokens (``agree``).
+steps of the slowest rank, with the rank processes' CPU time per train and decode step beside the wall time (on a
+loaded machine the wall time of a collective is mostly waiting for the other rank). ``--profile`` adds, per mode, the
+profiler's top entries by self CPU time on rank 0 (aten ops of a DTensor include DTensor's dispatch in their self
+time), per step, for a train step and for the decode steps of one ``generate()`` (prefill excluded). Prints one JSON
+object; also checks that all three produce the same loss / tokens (``agree``).
 """
 
 from __future__ import annotations
@@ -161,6 +161,32 @@ def _top_entries(prof, steps: int, top: int) -> dict:
                      "calls_per_step": e.count // steps} for e in rows[:top]]}
 
 
+class _CpuTimer(_Timer):
+    """A streamer that also notes the rank process's CPU time at each token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu: list[float] = []
+
+    def put(self, value) -> None:
+        super().put(value)
+        self.cpu.append(time.process_time())
+
+
+class _ProfiledTimer(_Timer):
+    """A streamer that starts ``prof`` when the first new token arrives (the prompt comes first): the profile then
+    covers the decode steps only."""
+
+    def __init__(self, prof) -> None:
+        super().__init__()
+        self.prof = prof
+
+    def put(self, value) -> None:
+        super().put(value)
+        if len(self.times) == 2:
+            self.prof.start()
+
+
 def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: list[str]) -> dict:
     import contextlib
     import copy
@@ -208,13 +234,13 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
 
     prompt = ids[:, : min(seq, 16)]
 
-    def decode(m, k) -> tuple[float, list]:
-        timer = _Timer()
+    def decode(m, k) -> tuple[float, float, list]:
+        timer = _CpuTimer()
         with torch.no_grad(), context(k):
             out = m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=decode_tokens,
                              min_new_tokens=decode_tokens, do_sample=False, pad_token_id=0, streamer=timer)
-        t = timer.times
-        return (t[-1] - t[1]) / (len(t) - 2), out.tolist()
+        t, c = timer.times, timer.cpu
+        return (t[-1] - t[1]) / (len(t) - 2), (c[-1] - c[1]) / (len(c) - 2), out.tolist()
 
     result: dict = {"size": size, "params": n_params, "train_batch": [batch, seq], "decode_batch": list(prompt.shape),
                     "decode_tokens": decode_tokens}
@@ -236,33 +262,39 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
             times[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
     dec: dict[str, list] = {k: [] for k in models}
+    dec_cpu: dict[str, list] = {k: [] for k in models}
     tokens: dict[str, list] = {}
     for m in models.values():
         m.eval()
     for _ in range(max(2, steps // 3)):
         for k, m in models.items():
             dist.barrier()
-            s, tokens[k] = decode(m, k)
+            s, c, tokens[k] = decode(m, k)
             dec[k].append(s)
+            dec_cpu[k].append(c)
     med = torch.tensor([statistics.median(times[k]) for k in models] + [statistics.median(dec[k]) for k in models]
-                       + [statistics.median(cpu[k]) for k in models], dtype=torch.float64)
+                       + [statistics.median(cpu[k]) for k in models]
+                       + [statistics.median(dec_cpu[k]) for k in models], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     n = len(models)
     train_s = dict(zip(models, med[:n].tolist()))
     decode_s = dict(zip(models, med[n:2 * n].tolist()))
-    cpu_s = dict(zip(models, med[2 * n:].tolist()))
+    cpu_s = dict(zip(models, med[2 * n:3 * n].tolist()))
+    decode_cpu_s = dict(zip(models, med[3 * n:].tolist()))
     result["load_average_1min"] = os.getloadavg()[0]
     result["train_step_ms"] = {k: round(v * 1e3, 2) for k, v in train_s.items()}
     # CPU seconds of the rank process per train step (all its threads): less sensitive to a loaded machine than wall
     # time, whose collectives wait for the slower rank
     result["train_step_cpu_ms"] = {k: round(v * 1e3, 2) for k, v in cpu_s.items()}
     result["decode_step_ms"] = {k: round(v * 1e3, 3) for k, v in decode_s.items()}
+    result["decode_step_cpu_ms"] = {k: round(v * 1e3, 3) for k, v in decode_cpu_s.items()}
     ratios = {}
     for k in models:
         if k != "floor" and "floor" in models:
             ratios[f"train_{k}_over_floor"] = round(train_s[k] / train_s["floor"], 3)
             ratios[f"decode_{k}_over_floor"] = round(decode_s[k] / decode_s["floor"], 3)
             ratios[f"train_cpu_{k}_over_floor"] = round(cpu_s[k] / cpu_s["floor"], 3)
+            ratios[f"decode_cpu_{k}_over_floor"] = round(decode_cpu_s[k] / decode_cpu_s["floor"], 3)
     for k in ("vescale", "vescale_dtensor"):
         if k in models and "torch" in models:
             ratios[f"train_{k}_over_torch"] = round(train_s[k] / train_s["torch"], 3)
@@ -276,6 +308,7 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
         from torch.profiler import profile as torch_profile
 
         result["profile_top_self_cpu"] = {}
+        result["profile_decode_top_self_cpu"] = {}
         for k, m in models.items():
             m.train()
             dist.barrier()
@@ -283,6 +316,16 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
                 for _ in range(2):
                     train(m, k)
             result["profile_top_self_cpu"][k] = _top_entries(prof, 2, 8)
+            # decode: the profiler runs from the first new token to the last (prefill excluded), via the streamer
+            m.eval()
+            dist.barrier()
+            prof = torch_profile(activities=[ProfilerActivity.CPU])
+            timer = _ProfiledTimer(prof)
+            with torch.no_grad(), context(k):
+                m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=decode_tokens,
+                           min_new_tokens=decode_tokens, do_sample=False, pad_token_id=0, streamer=timer)
+            prof.stop()
+            result["profile_decode_top_self_cpu"][k] = _top_entries(prof, decode_tokens - 1, 12)
     return result
 
 

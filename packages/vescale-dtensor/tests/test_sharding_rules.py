@@ -217,3 +217,40 @@ def test_uneven_view_gathers_outside_strict_mode():
     """A view that splits or merges an unevenly sharded dim (torch refuses it) equals the plain view outside strict
     mode (the dim is gathered first) and keeps torch's error in strict mode."""
     run_on_ranks(_uneven_views, 4)
+
+
+def _interleaved_splits():
+    import torch
+
+    from vescale.dtensor import (
+        InterleavedShard,
+        Replicate,
+        Shard,
+        count_comms,
+        distribute_tensor,
+        init_device_mesh,
+        strict,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = torch.randn(2, 3, 4 * 12, generator=torch.Generator().manual_seed(5))  # [q | k | v | w], 12 columns each
+    d = distribute_tensor(x, mesh, [Shard(0), InterleavedShard(2, 4)])
+    cases = [(12, [Shard(2)] * 4), ([24, 12, 12], [InterleavedShard(2, 2), Shard(2), Shard(2)])]
+    for split, placements in cases:
+        with strict(), count_comms() as comms:  # local: no redistribution, no collective
+            pieces = d.split(split, dim=2)
+        assert comms.total == 0, (split, comms.counts)
+        for piece, want, p in zip(pieces, x.split(split, dim=2), placements, strict=True):
+            assert tuple(piece.placements) == (Shard(0), p), (split, piece.placements)
+            torch.testing.assert_close(piece.full_tensor(), want, rtol=0, atol=0)
+    # a cut inside a chunk takes torch's path (the dim gathered), with the plain op's values
+    for piece, want in zip(d.split(8, dim=2), x.split(8, dim=2), strict=True):
+        assert isinstance(piece.placements[1], Replicate)
+        torch.testing.assert_close(piece.full_tensor(), want, rtol=0, atol=0)
+
+
+def test_split_of_interleaved_dim_at_chunk_boundaries_is_local():
+    """``split`` of an ``InterleavedShard(2, 4)`` dim into whole chunks (GPT-2's fused ``c_attn`` output into q, k,
+    v): each piece ``Shard(2)`` (``InterleavedShard(2, 2)`` for two chunks) with the plain split's values and no
+    collective, on a 2x2 mesh whose other dim shards the batch; a cut inside a chunk gathers, as torch does."""
+    run_on_ranks(_interleaved_splits, 4)

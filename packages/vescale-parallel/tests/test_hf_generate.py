@@ -5,7 +5,9 @@ Left-padded prompts with an attention mask; greedy through the default (dynamic)
 EOS token that stops one row early; seeded sampling (temperature, top-k, top-p). Every rank seeds torch's generator
 alike and the ranks of a tp group hold the same full logits, so they draw the same tokens (asserted). With dp each
 group passes its own rows: greedy equals those rows of the one-device batch; a sampled batch is one random stream, so
-a group's draws equal one device's ``generate`` of that group's rows under the same seed.
+a group's draws equal one device's ``generate`` of that group's rows under the same seed. After every call each
+rank's KV cache (dynamic or static) holds its group's rows and 1/tp of one device's heads (local shapes; GPT-2's fused
+``c_attn`` output splits into head-sharded q, k, v without a gather).
 
 The model builders (``_build``, small GQA configs) and the padded batch (``_batch``) are those of ``test_tp_hf`` and
 ``test_hf_default_calls``.
@@ -53,6 +55,14 @@ def _rows_equal(got, want, eos: int) -> None:
         assert bool((want[:, n:] == PAD).all()) and bool((got == eos).any(dim=1).all()), (got, want)
 
 
+def _cache_tensors(cache) -> list:
+    """This rank's tensors of a KV cache (a DTensor's local shard), keys and values of every layer."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
 @pytest.mark.parametrize("kind", MODELS)
 @multi_rank(world_sizes=[2, 4])
 def test_generate_matches_single_device(world_size, kind):
@@ -85,14 +95,21 @@ def test_generate_matches_single_device(world_size, kind):
     with torch.no_grad():
         for kw in settings:
             torch.manual_seed(11)
-            got = par.generate(input_ids=prompts[mine], attention_mask=mask[mine], max_new_tokens=n_new,
-                               pad_token_id=PAD, **kw)
+            out = par.generate(input_ids=prompts[mine], attention_mask=mask[mine], max_new_tokens=n_new,
+                               pad_token_id=PAD, return_dict_in_generate=True, **kw)
+            got = out.sequences
             torch.manual_seed(11)
             # sampling: one device's draws for this group's rows; greedy: the whole batch
             rows = mine if kw["do_sample"] else slice(None)
-            want = ref.generate(input_ids=prompts[rows], attention_mask=mask[rows], max_new_tokens=n_new,
-                                pad_token_id=PAD, **kw)
+            one = ref.generate(input_ids=prompts[rows], attention_mask=mask[rows], max_new_tokens=n_new,
+                               pad_token_id=PAD, return_dict_in_generate=True, **kw)
+            want = one.sequences
             _rows_equal(got, want if kw["do_sample"] else want[mine], eos)
+            # the KV cache sharded by heads: each rank holds its 2 rows and 1/tp of one device's heads
+            for mine_kv, one_kv in zip(_cache_tensors(out.past_key_values), _cache_tensors(one.past_key_values),
+                                       strict=True):
+                assert (mine_kv.shape[0], mine_kv.shape[1] * tp, mine_kv.shape[3]) == \
+                    (2, one_kv.shape[1], one_kv.shape[3]), (kind, kw, mine_kv.shape, one_kv.shape)
             seen = [None] * tp
             dist.all_gather_object(seen, got.tolist(), group=tp_group)
             assert all(s == seen[0] for s in seen), (kind, kw, seen)

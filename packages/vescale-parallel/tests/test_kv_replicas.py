@@ -4,8 +4,9 @@ over the ranks that share a kv head, each rank's KV cache holding only that head
 Against the unmodified model on one process: greedy ``generate()`` (dynamic and static cache, left padding) and seeded
 sampling token for token; the training loss's gradients of every parameter (the replicated k/v weights' included),
 with and without the KV cache in the training call. Llama with 2 kv heads on tp=4 and Qwen2 (q/k/v biases) with one kv
-head (MQA) on tp=2 and on dp2 x tp2 (each dp rank its own rows of the batch). Refusals: head counts that neither
-divide nor replicate, and a plan that splits k/v inside a head.
+head (MQA) on tp=2 and on dp2 x tp2 (each dp rank its own rows of the batch). ``parallelize_module`` sets the cache up
+by itself; an explicit ``replicate_kv_heads`` afterwards is a no-op. Refusals: head counts that neither divide nor
+replicate (by ``parallelize_module``'s planning check too), and a plan that splits k/v inside a head.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _check(kind: str) -> None:
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import PLANS, parallelize_module, replicate_kv_heads
+    from vescale.parallel.kv_replicas import kv_replicated_modules
 
     dims, kv = CASES[kind]
     kind = kind.removesuffix("-dp")
@@ -58,7 +60,9 @@ def _check(kind: str) -> None:
     torch.manual_seed(0)
     ref = _build(kind, kv)
     par = parallelize_module(copy.deepcopy(ref), mesh, PLANS[kind](mesh, num_key_value_heads=kv))
-    assert replicate_kv_heads(par, mesh) == 2  # both layers' attention
+    # parallelize_module sets up both layers' attention itself: the generation below checks the cache holds one kv
+    # head per rank without any other call
+    assert kv_replicated_modules(par) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     for name in ("k_proj", "v_proj"):
         w = getattr(par.model.layers[0].self_attn, name).weight
         assert all(p.is_replicate() for p in w.placements), w.placements
@@ -78,6 +82,11 @@ def _check(kind: str) -> None:
         # one kv head per rank: the cache's global value repeats each kv head over the tp ranks that share it
         assert isinstance(keys, DTensor) and keys.shape[1] == tp and keys.to_local().shape[1] == 1, keys.shape
         assert keys.to_local().shape[0] == 2
+    # an explicit call (older callers) counts the modules set up and wraps nothing twice: the rest still matches
+    assert replicate_kv_heads(par, mesh) == 2
+    assert kv_replicated_modules(par) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    hooks = par.model.layers[0].self_attn._forward_pre_hooks.values()
+    assert sum(type(h).__name__ == "_Wrap" for h in hooks) == 1
     sample = dict(do_sample=True, top_k=10, top_p=0.9, temperature=0.7, **kw)
     torch.manual_seed(3)
     want = ref.generate(input_ids=ids[mine], attention_mask=mask[mine], **sample)
@@ -108,6 +117,36 @@ def test_kv_head_layout_refuses_what_neither_divides_nor_replicates():
         kv_head_layout(3, 2)
     with pytest.raises(PlanError, match=r"num_key_value_heads=2 and tp=3"):
         kv_head_layout(2, 3)
+
+
+def test_planned_kv_replicas_refuses_heads_that_cannot_replicate():
+    """``parallelize_module``'s check (pure, before any collective): k/v replicated and q sharded over 3 ranks with 2 kv
+    heads (6 query heads) cannot keep one kv head per rank: refused naming the module and both counts; the same plan
+    over 4 ranks (2 ranks share each kv head) is set up; k/v sharded by rows (split inside a head) is left alone."""
+    import transformers as tf
+    from torch.distributed.tensor import Replicate, Shard
+
+    from vescale.core.errors import PlanError
+    from vescale.parallel.kv_replicas import planned_kv_replicas
+
+    class Mesh:  # only the size of each mesh dim is read
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def size(self, dim: int = 0) -> int:
+            return self.n
+
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2))
+    attn = "model.layers.0.self_attn"
+    plan = {f"{attn}.q_proj.weight": (Shard(0),), f"{attn}.k_proj.weight": (Replicate(),),
+            f"{attn}.v_proj.weight": (Replicate(),)}
+    with pytest.raises(PlanError, match=rf"{attn}: .*num_key_value_heads=2 and tp=3"):
+        planned_kv_replicas(model, Mesh(3), plan)
+    model.config.num_attention_heads = 8
+    assert planned_kv_replicas(model, Mesh(4), plan) == [(attn, 0)]
+    rows = {**plan, f"{attn}.k_proj.weight": (Shard(0),), f"{attn}.v_proj.weight": (Shard(0),)}
+    assert planned_kv_replicas(model, Mesh(4), rows) == []
 
 
 @multi_rank(world_sizes=[2])

@@ -1,17 +1,19 @@
 """Reading one rank's parts of one stored shard from a local file.
 
-Two paths. **Mapped** (:class:`MappedShard`), for parts that are not the whole shard (a column block of a
-row-major shard, any sub-box): the byte span the rank's parts and checksum chunks cover is mapped read-only
-(``mmap``), its chunks are checked on the mapping itself, and after the ranks have agreed that every chunk is intact
-the parts are copied out of the mapping straight into their targets (strided). Each needed byte is read once by the
-checksum and copied once; reading the span into a buffer first and copying the parts out of it would copy twice.
-Before it maps, the file is checked to hold the whole span, so no access to the mapping can fall past its end.
+Two paths. **Mapped** (:class:`MappedShard`), for any part of a raw shard into a CPU target of its dtype (a whole
+shard, a column block of a row-major shard, any sub-box): the byte span the rank's parts and checksum chunks cover
+is mapped read-only (``mmap``), its chunks are checked on the mapping itself, and after the ranks have agreed that
+every chunk is intact the parts are copied out of the mapping straight into their targets (strided). Each needed
+byte is read once by the checksum and copied once; reading the span into a buffer to check it and reading it again
+to fill (the read path) copies twice, which for whole shards cost 10-17 % more CPU per load in
+``tools/bench/checkpoint.py``. Before it maps, the file is checked to hold the whole span, so no access to the
+mapping can fall past its end.
 
 **Read** (:func:`check_chunks_read`, then :func:`read_parts`): the chunks are read into a reused buffer and checked,
 and after the agreement the span is read again with one positional read, straight into the target when the part is
-the whole shard (then one read costs less than mapping the span), else into a buffer that the parts are copied out
-of. It serves whole shards, targets off the CPU or of another dtype (a cast), item sizes numpy has no integer for,
-file systems that cannot map, and every shard with ``VESCALE_CHECKPOINT_MMAP=0`` in the environment.
+the whole shard, else into a buffer that the parts are copied out of. It serves targets off the CPU or of another
+dtype (a cast), item sizes numpy has no integer for, file systems that cannot map, and every shard with
+``VESCALE_CHECKPOINT_MMAP=0`` in the environment.
 
 A mapped file that another process truncates during the load makes the next access to the lost pages a SIGBUS,
 which ends the process (the read path raises instead); checkpoints are written to new files and never truncated.
@@ -63,7 +65,9 @@ def read_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
     shape, size = shard["lengths"], dtype.itemsize
     nbytes = shard_nbytes(shard)
     spans = [byte_span(offs, tuple(t.shape), shape, size) for offs, t in parts if t.numel()]
-    spans += [chunk_spans(shard)[i] for i in chunks]
+    if chunks:
+        stored = chunk_spans(shard)
+        spans += [stored[i] for i in chunks]
     spans = [s for s in spans if s[1] > s[0]]
     if not spans:
         return
@@ -196,25 +200,25 @@ class MappedShard:
 def map_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
               parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int]) -> MappedShard | None:
     """A :class:`MappedShard` of the span that ``parts`` and the checksum ``chunks`` of a raw shard cover, or None
-    when the mapped path does not apply or does not pay (nothing to read, a target off the CPU or of another dtype,
-    an item size numpy cannot copy, ``VESCALE_CHECKPOINT_MMAP=0``, a file system that cannot map, or the part is
-    the whole shard into a contiguous target, which one read fills directly): the caller then reads with
-    :func:`check_chunks_read` and :func:`read_parts`."""
+    when the mapped path does not apply (nothing to read, a target off the CPU or of another dtype, an item size
+    numpy cannot copy, ``VESCALE_CHECKPOINT_MMAP=0``, a file system that cannot map): the caller then reads with
+    :func:`check_chunks_read` and :func:`read_parts`. A whole shard into a contiguous target is mapped too: checking
+    its chunks on the mapping and copying once costs less than reading them to check and reading again to fill."""
     if os.environ.get("VESCALE_CHECKPOINT_MMAP", "1") == "0" or dtype.itemsize not in _INT_OF_SIZE:
         return None
     if any(t.device.type != "cpu" or t.dtype != dtype for _, t in parts):  # a cast (strict=False) copies as torch
         return None
     shape, size = shard["lengths"], dtype.itemsize
     spans = [byte_span(offs, tuple(t.shape), shape, size) for offs, t in parts if t.numel()]
-    spans += [chunk_spans(shard)[i] for i in chunks]
+    if chunks:
+        stored = chunk_spans(shard)
+        spans += [stored[i] for i in chunks]
     spans = [s for s in spans if s[1] > s[0]]
     if not spans:
         return None
     lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
     # whole items (a chunk size need not divide by the item size), within the shard (which holds whole items)
     lo, hi = lo - lo % size, min(hi + (-hi) % size, shard_nbytes(shard))
-    if len(parts) == 1 and tuple(parts[0][1].shape) == tuple(shape) and parts[0][1].is_contiguous():
-        return None  # the whole shard into contiguous memory: one read straight into it costs less than mapping
     try:
         return MappedShard(storage, shard, lo, hi)
     except _Unmappable:  # this file system cannot map the file: read it instead

@@ -36,9 +36,16 @@ def read_metadata(storage: Storage) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where} is nested too deeply") from None
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CorruptCheckpointError(f"{where} is not valid JSON: {exc}") from None
-    check_metadata(meta, where)
-    check_tables(meta, where)
+    global _schema_checked
+    check_metadata(meta, where)  # cheap, and it migrates older versions in place
+    if data != _schema_checked:  # the table checks depend on the bytes alone: these bytes passed them last time
+        check_tables(meta, where)
+        _schema_checked = bytes(data)
     return meta
+
+
+#: the bytes of the last ``metadata.json`` that passed the table checks (a checkpoint loaded again skips them)
+_schema_checked: bytes | None = None
 
 
 def read_header(storage: Storage, name: str, size: int) -> dict[str, Any]:

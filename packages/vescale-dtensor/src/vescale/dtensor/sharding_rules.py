@@ -35,6 +35,10 @@ local generator, which would not reproduce the single-device result (vescale's c
   sharded dim (torch refuses: "Cannot flatten/unflatten unevenly sharded tensor") is, outside strict mode, computed
   on the tensor gathered along that dim (see :func:`_placements_through_view`).
 
+* ``aten.split`` / ``aten.split_with_sizes`` of an ``InterleavedShard`` dim at its chunk boundaries (GPT-2's fused
+  ``c_attn`` output into q, k, v): local, each piece ``Shard`` (see :func:`_split_interleaved`); torch's rule gathers
+  the dim first.
+
 Built on torch's private ``torch.distributed.tensor._ops`` registration API (the same one torch's own rules use),
 reached through :mod:`vescale.core.torch_internals`.
 """
@@ -56,7 +60,9 @@ from vescale.core.torch_internals import (
     expand_to_full_mesh_op_strategy,
     register_op_strategy,
 )
+from vescale.core.torch_internals import StridedShard as _StridedShard
 from vescale.dtensor.layout import relaid_as_declared, smallest_shard
+from vescale.dtensor.placements import InterleavedShard
 from vescale.dtensor.strict import is_strict
 
 __all__ = ["ATTENTION_DROPOUT_ERROR", "install"]
@@ -293,6 +299,60 @@ def _copy_into_partial(op_call, args: tuple, kwargs: dict):
         return op_call(*args, **kwargs)
 
 
+def _split_interleaved(op_call, args: tuple, kwargs: dict):
+    """``aten.split`` / ``aten.split_with_sizes`` of a dim placed ``InterleavedShard(d, sf)`` into pieces made of
+    whole chunks: each rank splits its local tensor, and a piece of one chunk is ``Shard(d)``, of ``c`` chunks
+    ``InterleavedShard(d, c)``. No communication.
+
+    A rank holds its piece of every chunk, concatenated in chunk order (all chunks are cut alike), so cutting its local
+    tensor at the chunk boundaries gives exactly its piece of each output. GPT-2's fused ``c_attn`` output
+    ``[q | k | v]`` thus splits into head-sharded q, k and v; torch's rule gathers the split dim first, which left every
+    rank computing attention, and holding the KV cache, of all heads. Other splits, and a dim that another mesh dim
+    shards too, take torch's path.
+    """
+    found = _interleaved_split(*args, **kwargs) if isinstance(args[0], DTensor) else None
+    if found is None:
+        with _torch_path(op_call, _split_interleaved):
+            return op_call(*args, **kwargs)
+    t, dim, sizes, mesh_dim, chunk = found
+    local = torch_internals.local_tensor(t)
+    piece = local.shape[dim] // (t.shape[dim] // chunk)  # this rank's piece of each chunk
+    out = []
+    for n, part in zip(sizes, local.split([n // chunk * piece for n in sizes], dim)):
+        placements = list(t.placements)
+        placements[mesh_dim] = Shard(dim) if n == chunk else InterleavedShard(dim, n // chunk)
+        shape = list(t.shape)
+        shape[dim] = n
+        out.append(DTensor.from_local(part, t.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                                      stride=t.stride()))
+    return out
+
+
+def _interleaved_split(t: DTensor, split, dim: int = 0) -> tuple | None:
+    """``(t, dim, sizes, mesh dim, chunk)`` when splitting ``t`` by ``split`` (a size or a list of sizes) on ``dim``
+    cuts only at chunk boundaries of the one ``InterleavedShard`` placed on that dim; else None."""
+    dim = dim + t.ndim if dim < 0 else dim
+    n = t.shape[dim]
+    on_dim = [i for i, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+    if len(on_dim) != 1 or not isinstance(t.placements[on_dim[0]], _StridedShard):
+        return None
+    if any(not isinstance(p, (Shard, _StridedShard, Replicate, Partial)) for p in t.placements):
+        return None  # RaggedShard: torch's path refuses it with a clear error
+    sf = torch_internals.split_factor(t.placements[on_dim[0]])
+    if n % sf:
+        return None
+    chunk = n // sf
+    if isinstance(split, int):
+        if split <= 0:
+            return None
+        sizes = [split] * (n // split) + ([n % split] if n % split else [])
+    else:
+        sizes = [int(s) for s in split]
+    if sum(sizes) != n or any(s <= 0 or s % chunk for s in sizes):
+        return None
+    return t, dim, sizes, on_dim[0], chunk
+
+
 _installed = False
 
 
@@ -318,4 +378,6 @@ def install() -> None:
         torch_internals.dtensor_custom_op_handlers()[aten._grouped_mm.default] = _grouped_mm_on_replicated
     torch_internals.dtensor_custom_op_handlers()[aten.view.default] = _view_of_relaid
     torch_internals.dtensor_custom_op_handlers()[aten.copy_.default] = _copy_into_partial
+    for op in (aten.split.Tensor, aten.split_with_sizes.default):
+        torch_internals.dtensor_custom_op_handlers()[op] = _split_interleaved
     _installed = True

@@ -35,8 +35,11 @@ from vescale.parallel.errors import (
 from vescale.parallel.experts import (  # expert parallelism
     capacity_keep,
     expert_parallel_plan,
+    experts_as_operator,
     find_experts,
+    keep_local_experts,
     parallelize_experts,
+    reduce_expert_parallel_grads,
 )
 from vescale.parallel.kv_replicas import replicate_kv_heads  # part 1: TP/SP (GQA, kv heads < tp)
 from vescale.parallel.loss import loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
@@ -59,6 +62,6 @@ __all__ += ["parallelize_stage"]  # pipeline stages (vescale-plan)
 __all__ += ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks",
             "CompileError"]  # compile mode
 __all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpointError"]  # activation checkpointing
-__all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep",
-            "ExpertParallelError"]  # expert parallelism
+__all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "experts_as_operator",
+            "keep_local_experts", "reduce_expert_parallel_grads", "ExpertParallelError"]  # expert parallelism
 __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism

@@ -25,7 +25,8 @@ How it runs:
 - **Attention: all-gather of keys and values** (the scheme Llama 3 trained with), then blockwise exact attention,
   as one custom operator per layer (``vescale::cp_attention``, forward and backward registered with
   ``torch.library``) so that ``torch.export`` keeps it whole: a pipeline stage cut from a captured graph
-  (``vescale.pipe.split``) still attends over cp.
+  (``vescale.pipe.split``) still attends over cp; with DTensor strategies registered (heads sharded over tp, or
+  replicated), a tp-sharded captured stage runs it on each rank's local heads (pp x cp x tp).
   Each attention layer gathers the keys and values of the whole sequence over ``cp`` (backward: one reduce-scatter)
   and computes its own queries against them with
   :func:`~vescale.parallel.chunked_attention.chunked_forward`: per query chunk, a causal diagonal block and
@@ -55,7 +56,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -77,25 +77,25 @@ HOOK_NAME = "causal_attention"  # the attention method a hook model's attention 
 
 @dataclass(frozen=True)
 class _Setup:
-    """A context-parallel model's cp group (and, for a transformers model, its config, by which the attention function
-    finds the setup: transformers calls it with the attention module, whose ``config`` is the model's)."""
+    """A context-parallel model's cp group, its size and this rank's place in it."""
 
     group: dist.ProcessGroup
     size: int
     rank: int
-    config: weakref.ref | None = None
 
 
-_SETUPS: dict[int, _Setup] = {}  # id(config) -> its _Setup
+# A transformers model's modules carry the key of their _Setup (an int in _SETUP_KEYS) as this attribute: the attention
+# function is called with the attention module, and an attribute survives the deep copy the pipeline split traces
+# (vescale.plan.build_pipeline), where a process group could not be copied and an id() of the config would change.
+_KEY_ATTR = "_vescale_cp_setup_key"
 
 
 def _setup_of(module: nn.Module) -> _Setup:
-    config = getattr(module, "config", None)
-    setup = _SETUPS.get(id(config))
-    if setup is None or setup.config() is not config:
+    key = getattr(module, _KEY_ATTR, None)
+    if key is None:
         raise ContextParallelError(f"{type(module).__name__} runs the {ATTENTION_NAME!r} attention but its model was "
                                    f"not set up by context_parallel")
-    return setup
+    return _SETUP_KEYS[key]
 
 
 def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -180,15 +180,55 @@ def _cp_attention_setup(ctx, inputs, output):
     ctx.setup_key, ctx.scale, ctx.window = setup_key, scale, window
 
 
+@torch.library.custom_op("vescale::cp_attention_backward", mutates_args=())
+def _cp_attention_grads(grad_out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, setup_key: int, scale: float,
+                        window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``vescale::cp_attention``: blockwise, then the key and value gradients reduce-scattered
+    over cp to this rank's positions. An operator of its own so that DTensor runs it on the local head shards (see
+    :func:`_register_head_sharding`), as it runs the forward."""
+    setup = _SETUP_KEYS[setup_key]
+    layout = ChunkLayout(setup.size, setup.rank, q.shape[2] // 2)
+    dq, dkeys, dvalues = chunked_backward(grad_out, q, keys, values, out, lse, layout, scale, window)
+    return dq, _reduce_scatter(dkeys, setup), _reduce_scatter(dvalues, setup)
+
+
+@_cp_attention_grads.register_fake
+def _(grad_out, q, keys, values, out, lse, setup_key, scale, window):
+    b, hkv, s, d = keys.shape
+    local = (b, hkv, s // _SETUP_KEYS[setup_key].size, d)
+    return q.new_empty(q.shape), keys.new_empty(local), values.new_empty(local)
+
+
 def _cp_attention_backward(ctx, grad_out, *unused):
     q, keys, values, out, lse = ctx.saved_tensors
-    setup = _SETUP_KEYS[ctx.setup_key]
-    layout = ChunkLayout(setup.size, setup.rank, q.shape[2] // 2)
-    dq, dkeys, dvalues = chunked_backward(grad_out, q, keys, values, out, lse, layout, ctx.scale, ctx.window)
-    return dq, _reduce_scatter(dkeys, setup), _reduce_scatter(dvalues, setup), None, None, None
+    dq, dk, dv = _cp_attention_grads(grad_out, q, keys, values, out, lse, ctx.setup_key, ctx.scale, ctx.window)
+    return dq, dk, dv, None, None, None
 
 
 _cp_attention.register_autograd(_cp_attention_backward, setup_context=_cp_attention_setup)
+
+
+def _register_head_sharding() -> None:
+    """DTensor strategies of the two operators: heads (dim 1 of every tensor operand and result) sharded alike, or
+    everything replicated. A tensor-parallel stage captured by ``torch.export`` (``vescale.parallel.parallelize_stage``)
+    hands the operators DTensors whose heads are sharded over tp; DTensor then calls them on the local shards, where
+    each tp rank's queries meet their own key/value heads (``H`` and ``Hkv`` both divisible by tp: contiguous head
+    blocks of the queries map onto contiguous blocks of the key/value heads) and the cp collectives run over the cp
+    group of that tp rank. Any other placement of an input is redistributed to one of these by DTensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.vescale.cp_attention.default)
+    def _forward_strategies(q, k, v, setup_key, scale, window):
+        return [([Shard(1)] * 4, [Shard(1)] * 3 + [None] * 3), ([Replicate()] * 4, [Replicate()] * 3 + [None] * 3)]
+
+    @register_sharding(torch.ops.vescale.cp_attention_backward.default)
+    def _backward_strategies(grad_out, q, keys, values, out, lse, setup_key, scale, window):
+        return [([Shard(1)] * 3, [Shard(1)] * 6 + [None] * 3), ([Replicate()] * 3, [Replicate()] * 6 + [None] * 3)]
+
+
+_register_head_sharding()
 
 
 def _local_heads(t: torch.Tensor, out_head_dim: int):
@@ -299,10 +339,11 @@ def context_parallel(model: nn.Module, mesh) -> nn.Module:
         model.forward = _hook_forward(model, size, rank)
         return model
     _register()
-    _SETUPS[id(config)] = _Setup(group, size, rank, weakref.ref(config))
-    weakref.finalize(config, _SETUPS.pop, id(config), None)
+    key = _setup_key(_Setup(group, size, rank))
+    for module in model.modules():  # (read by _setup_of from the attention module transformers hands _attention)
+        setattr(module, _KEY_ATTR, key)
     config._attn_implementation = ATTENTION_NAME  # from now on: every attention layer goes through _attention
-    model.forward = _hf_forward(model.forward, size, rank)
+    model.forward = _hf_forward(model, size, rank)
     return model
 
 
@@ -325,11 +366,14 @@ def _hook_forward(model: nn.Module, size: int, rank: int):
     return types.MethodType(forward, model)
 
 
-def _hf_forward(inner, size: int, rank: int):
-    """A transformers model's ``forward``: this rank's tokens, positions and shifted labels, its loss share."""
+def _hf_forward(model: nn.Module, size: int, rank: int):
+    """A transformers model's ``forward``: this rank's tokens, positions and shifted labels, its loss share. Bound to
+    ``model`` over the unbound forward it wraps, as :func:`_hook_forward` is, so a deep copy runs its own."""
+    inner = model.forward
+    unbound = inner.__func__ if isinstance(inner, types.MethodType) and inner.__self__ is model else None
 
     @functools.wraps(inner)
-    def forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
         if input_ids is None:
             raise ContextParallelError("context_parallel needs input_ids (inputs_embeds is not sharded)")
         seq_len = input_ids.shape[1]
@@ -349,10 +393,11 @@ def _hf_forward(inner, size: int, rank: int):
             count = (shifted != -100).sum().to(torch.float32)
             local = shifted[:, index].contiguous()
             kwargs.update(labels=local, shift_labels=local, num_items_in_batch=count / size)
-        return inner(input_ids=input_ids[:, index].contiguous(), position_ids=position_ids[..., index].contiguous(),
-                     **kwargs)
+        call = functools.partial(unbound, self) if unbound is not None else inner
+        return call(input_ids=input_ids[:, index].contiguous(), position_ids=position_ids[..., index].contiguous(),
+                    **kwargs)
 
-    return forward
+    return types.MethodType(forward, model)
 
 
 def gather_sequence(local: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:

@@ -10,7 +10,11 @@ over the dp group, as a single device would compute them for the whole batch.
 
 ``zero_stage=0/1`` all-reduce buckets (every rank holds the averaged gradient); ``zero_stage=2`` reduce-scatters
 them, so each rank only holds the averaged gradient of its own contiguous 1/dp slice of every bucket (see
-:class:`~vescale.parallel.DistributedOptimizer`, which owns those slices).
+:class:`~vescale.parallel.DistributedOptimizer`, which owns those slices). Under ZeRO-2 a bucket's full-size
+buffer exists only from its first gradient in backward until its reduce-scatter completes (freed then, without
+waiting in backward, or at the end of backward at the latest), so between steps a rank holds ``grad bytes / dp``
+(plus padding of fewer than dp elements per bucket); ``no_sync`` micro-steps keep the full buffers of the buckets
+they touch until the synchronised backward reduces them.
 
 ``data_dims`` (expert parallelism): mesh dims of the parameters' own DTensor mesh over which the batch is split as
 over dp (``ep``: each ep rank runs the dense layers on its own rows). A parameter replicated on such a dim gets a
@@ -48,19 +52,26 @@ _all_gather = dist.all_gather_single
 
 @dataclass(eq=False)
 class _Slot:
-    """Where one parameter's gradient lives: ``buffer.data[start:start + numel]`` viewed as ``local_shape``."""
+    """Where one parameter's gradient lives: elements ``[start, start + numel)`` of its buffer (offsets count in the
+    whole buffer), viewed as ``local_shape``; with ZeRO-2 in its bucket's own full-size buffer while that exists."""
 
     fqn: str
     param: nn.Parameter
     buffer: _GradBuffer
-    bucket: _Bucket | None
+    bucket: _Bucket
     start: int
     numel: int
     local_shape: torch.Size
     exposed: torch.Tensor | None = None  # the low-precision .grad copy finish_grad_sync handed out, if any
 
     def view(self) -> torch.Tensor:
-        return self.buffer.data[self.start:self.start + self.numel].view(self.local_shape)
+        """The gradient's place in the buffer (with ZeRO-2 this allocates the bucket's buffer, zeroed, if freed)."""
+        at = self.start - self.bucket.start
+        return self.bucket.data()[at:at + self.numel].view(self.local_shape)
+
+    def is_view(self, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` (a local tensor) is :meth:`view` (never allocates)."""
+        return grad is not None and self.bucket.allocated() and grad.data_ptr() == self.view().data_ptr()
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` dressed as the parameter is (a DTensor with the same mesh and placements, or as is)."""
@@ -73,7 +84,11 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Bucket:
-    """A contiguous range ``[start, end)`` of a buffer, padded so that ``end - start`` is a multiple of dp."""
+    """A contiguous range ``[start, end)`` of a buffer, padded so that ``end - start`` is a multiple of dp.
+
+    With ZeRO-2 the bucket's full-size gradient lives in its own tensor (``full``), created zeroed when the first
+    gradient reaches the bucket and freed once the reduce-scatter has written this rank's slice into ``shard_grad``:
+    between steps a rank holds only the shards (1/dp of the gradients, plus padding)."""
 
     index: int
     buffer: _GradBuffer
@@ -84,13 +99,24 @@ class _Bucket:
     work: object | None = None
     launched: bool = False
     shard_grad: torch.Tensor | None = None  # zero_stage 2: this rank's reduced slice
+    full: torch.Tensor | None = None  # zero_stage 2: the full-size gradient, while the bucket holds one
+    shard_holds: bool = False  # zero_stage 2: shard_grad holds a reduced gradient no zero_grad has cleared since
+    incoming: torch.Tensor | None = None  # zero_stage 2: a reduction in flight, added to shard_grad when it completes
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
+    def allocated(self) -> bool:
+        """Whether the bucket's full-size gradient exists (always, but with ZeRO-2 between backward and reduction)."""
+        return self.shard_grad is None or self.full is not None
+
     def data(self) -> torch.Tensor:
-        return self.buffer.data[self.start:self.end]
+        if self.shard_grad is None:
+            return self.buffer.data[self.start:self.end]
+        if self.full is None:
+            self.full = self.shard_grad.new_zeros(self.numel)  # (a Tensor method: no factory capture can see it)
+        return self.full
 
 
 @dataclass(eq=False)
@@ -119,7 +145,10 @@ class _Reduction:
 
 @dataclass(eq=False)
 class _GradBuffer:
-    """One flat gradient buffer holding every parameter of one (reduction, param dtype, grad dtype) triple."""
+    """One flat gradient buffer holding every parameter of one (reduction, param dtype, grad dtype) triple.
+
+    With ZeRO-2 ``data`` is empty (it only carries dtype and device): each bucket holds its own full-size buffer
+    while it has gradients (see :class:`_Bucket`)."""
 
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
@@ -142,9 +171,13 @@ class DistributedDataParallel(nn.Module):
     average. When ``grad_dtype`` equals the parameter dtype, ``.grad`` *is* that view and autograd accumulates into
     it in place, so any ``zero_grad`` works. Otherwise, with ``zero_stage=0``, ``.grad`` is a copy cast to the
     parameter dtype (accumulating into it or clearing it behaves as on one device, at the parameter dtype's
-    precision); with ``zero_stage`` 1/2 it stays unset. With ``zero_stage=2`` only this rank's slice of the reduced
-    gradient is meaningful: use :class:`~vescale.parallel.DistributedOptimizer`. ``zero_stage=3`` is PyTorch's
-    ``fully_shard`` (see the package README).
+    precision); with ``zero_stage`` 1/2 it stays unset. With ``zero_stage=2`` a rank keeps only its slice of each
+    reduced bucket: after a synchronised backward ``.grad`` and ``.main_grad`` are ``None`` (their buffer is freed;
+    they are set again during the next backward). The slices accumulate as ``.grad`` does on one device: a second
+    synchronised backward without :meth:`zero_grad` (or the optimizer's) in between adds its reduced gradient to them
+    (:meth:`no_sync` does the same with one reduction instead of several). Setting ``.grad = None`` by hand clears
+    nothing here: clear with ``zero_grad``. Read whole gradients with :meth:`reduced_grads`.
+    ``zero_stage=3`` is PyTorch's ``fully_shard`` (see the package README).
 
     Inside :meth:`no_sync` backward only accumulates locally; the next backward outside it reduces the sum.
     Every rank of the dp group must run the same backward passes (same parameters receive gradients).
@@ -185,6 +218,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True
         self._callback_queued = False
         self._next_launch = 0
+        self._next_free = 0  # ZeRO-2: the first launched bucket whose full buffer may still be held
         self._dirty = False  # some gradient reached the buffer since the last finish_grad_sync
         self.wait_in_backward = wait_in_backward
         self._validate(module)
@@ -295,7 +329,8 @@ class DistributedDataParallel(nn.Module):
                 layout.append((bucket_start, end, members))
                 offset = end
             device = local_tensor(group[0][1]).device
-            buf = _GradBuffer(pdtype, gdtype, torch.zeros(offset, dtype=gdtype, device=device), reduction=reduction)
+            flat = torch.zeros(0 if self.zero_stage == 2 else offset, dtype=gdtype, device=device)
+            buf = _GradBuffer(pdtype, gdtype, flat, reduction=reduction)
             for start, end, mem in layout:
                 bucket = _Bucket(len(self.buckets), buf, start, end)
                 if self.zero_stage == 2:
@@ -334,6 +369,12 @@ class DistributedDataParallel(nn.Module):
         if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
             grad = grad.redistribute(p.device_mesh, p.placements)
         grad = local_tensor(grad)
+        if slot.bucket.launched:
+            # Its bucket is being (or was) reduced: this gradient would be lost, or race with the collective.
+            raise DDPError(f"parameter {slot.fqn!r} received a gradient after its bucket {slot.bucket.index} was "
+                           "launched for reduction: call finish_grad_sync() before the next backward, and run one "
+                           "backward per parameter per synchronised pass (a parameter reached twice by reentrant "
+                           "activation checkpointing cannot be reduced in buckets)")
         view = slot.view()
         self._dirty = True
         if p.dtype == slot.buffer.grad_dtype:
@@ -362,22 +403,58 @@ class DistributedDataParallel(nn.Module):
         while self._next_launch < self._num_early:
             bucket = self.buckets[self._next_launch]
             if bucket.ready < len(bucket.slots):
-                return
+                break
             self._launch(bucket)
+        # ZeRO-2: free the full buckets whose reduce-scatter is done, in launch order (no waiting in backward)
+        while self.zero_stage == 2 and self._next_free < self._next_launch:
+            work = self.buckets[self._next_free].work
+            if work is not None and not work.is_completed():
+                break
+            self._complete(self.buckets[self._next_free])
+            self._next_free += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         data, reduction = bucket.data(), bucket.buffer.reduction
+        # ZeRO-2: the reduction lands in the shard, or, when the shard still holds an earlier synchronised backward's
+        # gradient (no zero_grad since), is added to it when it completes, as one device accumulates into .grad
+        if bucket.shard_grad is not None:
+            out = bucket.shard_grad if not bucket.shard_holds else torch.empty_like(bucket.shard_grad)
+            bucket.incoming = out if bucket.shard_holds else None
+            bucket.shard_holds = True
         if reduction.size == 1:
             bucket.work = None
             if bucket.shard_grad is not None:
-                bucket.shard_grad.copy_(data)
+                out.copy_(data)
         elif bucket.shard_grad is not None:
-            bucket.work = _reduce_scatter(bucket.shard_grad, data, op=reduction.reduce_op(data), group=reduction.group,
+            bucket.work = _reduce_scatter(out, data, op=reduction.reduce_op(data), group=reduction.group,
                                           async_op=True)
         else:
             bucket.work = dist.all_reduce(data, op=reduction.reduce_op(data), group=reduction.group, async_op=True)
         bucket.launched = True
         self._next_launch = bucket.index + 1
+
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for a launched bucket's reduction; with ZeRO-2 free its full buffer (the shard holds the result)."""
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        if bucket.incoming is not None:
+            bucket.shard_grad.add_(bucket.incoming)
+            bucket.incoming = None
+        if bucket.shard_grad is not None:
+            self._release(bucket)
+
+    def _release(self, bucket: _Bucket) -> None:
+        """Drop a ZeRO-2 bucket's full-size buffer and every reference to it (``.grad`` views, ``main_grad``)."""
+        if bucket.full is None:
+            return
+        for slot in bucket.slots:
+            p = slot.param
+            if p.grad is not None and slot.is_view(local_tensor(p.grad)):
+                p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad = None
+        bucket.full = None
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -403,8 +480,8 @@ class DistributedDataParallel(nn.Module):
             grad = slot.param.grad
             if grad is None:
                 continue
-            ptr = local_tensor(grad).data_ptr()
-            if ptr != slot.view().data_ptr() and (slot.exposed is None or ptr != slot.exposed.data_ptr()):
+            local = local_tensor(grad)
+            if not slot.is_view(local) and (slot.exposed is None or local.data_ptr() != slot.exposed.data_ptr()):
                 raise DDPError(f"parameter {slot.fqn!r} has a gradient that DistributedDataParallel's hook never "
                                "saw, so it would not be reduced over dp: the parameter tensor was replaced or "
                                "swapped after DDP was built (e.g. module.to() or load_state_dict(assign=True)); "
@@ -422,10 +499,9 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets[self._num_early:]:
             self._launch(bucket)
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            bucket.work, bucket.ready, bucket.launched = None, 0, False
-        self._next_launch = 0
+            self._complete(bucket)  # (ZeRO-2: frees its full buffer: a rank keeps only its shards)
+            bucket.ready, bucket.launched = 0, False
+        self._next_launch = self._next_free = 0
         self._dirty = False
         if self.zero_stage:
             return  # DistributedOptimizer reads the buffer (zero_stage 1) or the shard (zero_stage 2)
@@ -459,11 +535,13 @@ class DistributedDataParallel(nn.Module):
         self.finish_grad_sync()
         out: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
-            data, reduction = bucket.data(), bucket.buffer.reduction
-            if bucket.shard_grad is not None and reduction.size > 1:
-                data = torch.empty_like(data)
+            reduction = bucket.buffer.reduction
+            if bucket.shard_grad is None:
+                data = bucket.data()
+            elif reduction.size > 1:
+                data = bucket.shard_grad.new_empty(bucket.numel)
                 _all_gather(data, bucket.shard_grad, group=reduction.group)
-            elif bucket.shard_grad is not None:
+            else:
                 data = bucket.shard_grad
             for slot in bucket.slots:
                 at = slot.start - bucket.start
@@ -474,16 +552,21 @@ class DistributedDataParallel(nn.Module):
         """Zero the gradient buffer (every bucket) and the parameters' ``.grad``.
 
         ``set_to_none`` applies to gradients that are not views of the buffer; buffer views are zeroed in place.
+        With ZeRO-2 this also zeroes the reduced shards and the full bucket buffers still held (between ``no_sync``
+        micro-steps).
         """
         for buf in self.grad_buffers:
             buf.data.zero_()
             for bucket in buf.buckets:
                 if bucket.shard_grad is not None:
                     bucket.shard_grad.zero_()
+                    bucket.shard_holds = False
+                if bucket.full is not None:
+                    bucket.full.zero_()
         for slot in self.slots.values():
             p = slot.param
             slot.exposed = None
-            if p.grad is not None and local_tensor(p.grad).data_ptr() != slot.view().data_ptr():
+            if p.grad is not None and not slot.is_view(local_tensor(p.grad)):
                 if set_to_none:
                     p.grad = None
                 else:
@@ -502,10 +585,13 @@ class DistributedDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def grad_buffer_bytes(self) -> int:
-        """Bytes held by gradient buffers on this rank (full buffers plus zero_stage-2 shards)."""
+        """Bytes held by gradient buffers on this rank now: the flat buffers (zero_stage 0/1), or (zero_stage 2) the
+        reduced shards plus the full bucket buffers alive (from a bucket's first gradient to its reduce-scatter)."""
         total = sum(b.data.numel() * b.data.element_size() for b in self.grad_buffers)
-        total += sum(b.shard_grad.numel() * b.shard_grad.element_size() for b in self.buckets
-                     if b.shard_grad is not None)
+        for b in self.buckets:
+            for t in (b.shard_grad, b.full):
+                if t is not None:
+                    total += t.numel() * t.element_size()
         return total
 
 

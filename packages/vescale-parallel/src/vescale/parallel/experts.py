@@ -58,7 +58,7 @@ from torch.distributed.tensor.placement_types import Placement
 from vescale.parallel.errors import ExpertParallelError
 
 __all__ = ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "ExpertsInfo",
-           "ExpertParallelError"]
+           "ExpertParallelError", "experts_as_operator", "keep_local_experts", "reduce_expert_parallel_grads"]
 
 
 
@@ -325,6 +325,193 @@ def _install_dispatch(info: ExpertsInfo, group, capacity_factor: float | None) -
     orig = module.forward
     module.forward = functools.partial(_ep_forward, orig=orig, module=module, num_experts=info.num_experts,
                                        group=group, capacity_factor=capacity_factor)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The dispatch as one operator (pipelines: torch.export keeps it a single node)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _OpSetup:
+    """What one experts module's operator needs besides its tensors (an operator takes no module or group)."""
+
+    def __init__(self, module: nn.Module, names: list[str], num_experts: int, group, capacity_factor) -> None:
+        # a shallow copy whose own parameters are filled per call: the operator is handed the tensors, so neither the
+        # model's (possibly meta or whole) weights nor a later replacement of them is kept alive here
+        self.template = _shallow_template(module, names)
+        self.forward = type(module).forward
+        self.names, self.num_experts, self.group, self.capacity_factor = names, num_experts, group, capacity_factor
+
+
+def _shallow_template(module: nn.Module, names: list[str]) -> nn.Module:
+    import copy
+
+    template = copy.copy(module)
+    template._parameters = dict.fromkeys(names)
+    template.__dict__.pop("forward", None)
+    return template
+
+
+#: int key (an operator argument) -> _OpSetup, one per experts module given to :func:`experts_as_operator`.
+_OP_SETUPS: dict[int, _OpSetup] = {}
+
+
+def _run_op(key: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            params: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`_ep_forward` with the experts module's own forward on ``params`` (this rank's experts)."""
+    setup = _OP_SETUPS[key]
+    template = setup.template
+    template._parameters = dict(zip(setup.names, params))
+    try:
+        return _ep_forward(hidden, top_k_index, top_k_weights, orig=functools.partial(setup.forward, template),
+                           module=template, num_experts=setup.num_experts, group=setup.group,
+                           capacity_factor=setup.capacity_factor)
+    finally:
+        template._parameters = dict.fromkeys(setup.names)
+
+
+@torch.library.custom_op("vescale::ep_experts", mutates_args=())
+def _ep_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                params: list[torch.Tensor], key: int) -> torch.Tensor:
+    """The experts' output ``[N, D]`` for this rank's tokens (see :func:`_ep_forward`); ``params``: this rank's."""
+    with torch.no_grad():
+        return _run_op(key, hidden, top_k_index, top_k_weights, params)
+
+
+@_ep_experts.register_fake
+def _(hidden, top_k_index, top_k_weights, params, key):
+    return torch.empty_like(hidden)
+
+
+def _ep_experts_setup(ctx, inputs, output):
+    hidden, top_k_index, top_k_weights, params, key = inputs
+    ctx.save_for_backward(hidden, top_k_index, top_k_weights, *params)
+    ctx.key = key
+
+
+def _ep_experts_backward(ctx, grad_out):
+    """Re-runs the dispatch with autograd (its three forward all-to-alls and the experts' FFN on the received
+    tokens, as activation checkpointing would), then backpropagates through it (two more all-to-alls): the saved
+    tensors of the forward have data-dependent sizes that an operator's outputs cannot carry through the capture."""
+    hidden, top_k_index, top_k_weights, *params = ctx.saved_tensors
+    leaves = [t.detach().requires_grad_() for t in (hidden, top_k_weights, *params)]
+    with torch.enable_grad():
+        out = _run_op(ctx.key, leaves[0], top_k_index, leaves[1], leaves[2:])
+        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+    return grads[0], None, grads[1], list(grads[2:]), None
+
+
+_ep_experts.register_autograd(_ep_experts_backward, setup_context=_ep_experts_setup)
+
+
+def _op_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                module: nn.Module, key: int) -> torch.Tensor:
+    """An experts module's forward under :func:`experts_as_operator`. (It holds its setup by key: the pipeline split
+    deep-copies the model, and a process group is not copyable.)"""
+    params = [getattr(module, n) for n in _OP_SETUPS[key].names]
+    return _ep_experts(hidden_states, top_k_index, top_k_weights, params, key)
+
+
+def experts_as_operator(model: nn.Module, mesh, *, ep: str = "ep",
+                        capacity_factor: float | None = None) -> list[ExpertsInfo]:
+    """Make each experts module of ``model`` dispatch over mesh dim ``ep`` through one custom operator,
+    ``vescale::ep_experts``, so that ``torch.export`` (the pipeline split of ``vescale.pipe``) keeps the whole
+    dispatch as a single graph node; returns the experts found (:func:`find_experts`).
+
+    For pipelines (pp x ep): call it before the split, then give each stage this rank's experts with
+    :func:`keep_local_experts`. The layout is that of :func:`parallelize_experts` with plain tensors: each ep rank
+    runs the stage on its own rows, holds ``E / ep`` experts (plain ``[E / ep, ...]`` parameters), and the operator
+    sends each (token, choice) pair to its expert's rank and back (variable-split ``all_to_all_single`` over ``ep``;
+    ``capacity_factor`` as there). Its backward re-runs the dispatch (three forward all-to-alls and the local expert
+    FFN) and backpropagates through it (two all-to-alls): the forward's intermediate tensors have data-dependent sizes
+    an operator cannot return through the capture. An expert's gradient is then the sum over every ep rank's loss of
+    the tokens it took; dense parameters' gradients are each rank's own (sum them over ep, see
+    :func:`reduce_expert_parallel_grads`).
+
+    Raises :class:`ExpertParallelError` (before any collective) as :func:`parallelize_experts` does.
+    """
+    from vescale.core.mesh import dim_group
+
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
+        raise ExpertParallelError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
+    experts = find_experts(model)
+    done = [e.fqn for e in experts if e.module in _DISTRIBUTED]
+    if done:
+        raise ExpertParallelError(f"the experts {done} are already distributed by parallelize_experts")
+    expert_parallel_plan(model, mesh, None, ep=ep, experts=experts)  # the same checks (mesh dim, divisibility)
+    bad = [e.fqn for e in experts if "forward" in vars(e.module)]
+    if bad:
+        raise ExpertParallelError(f"the experts modules {bad} have a replaced forward; experts_as_operator runs "
+                                  f"their class's own forward")
+    group, _ = dim_group(mesh, ep)
+    for info in experts:
+        key = len(_OP_SETUPS)
+        names = [fqn.rpartition(".")[2] for fqn in info.params]
+        _OP_SETUPS[key] = _OpSetup(info.module, names, info.num_experts, group, capacity_factor)
+        _DISTRIBUTED.add(info.module)
+        info.module.forward = functools.partial(_op_forward, module=info.module, key=key)
+    return experts
+
+
+def keep_local_experts(module: nn.Module, experts: list[ExpertsInfo], mesh, *, ep: str = "ep") -> list[str]:
+    """Replace each expert parameter of ``module`` (a pipeline stage, or the model; found by the FQNs of
+    ``experts``) by this ep rank's experts, a plain ``Parameter`` ``[E / ep, ...]`` (rank ``r``: experts
+    ``[r E / ep, (r + 1) E / ep)``); returns the FQNs replaced. ``module``'s parameters must be materialised, whole.
+    Each is marked (``vescale.parallel.clip_grad.mark_sharded``) as a piece over ``ep`` for gradient clipping.
+    No collective."""
+    from vescale.core.mesh import dim_group
+    from vescale.parallel.clip_grad import mark_sharded
+
+    size, rank = mesh.size(mesh.mesh_dim_names.index(ep)), mesh.get_local_rank(ep)
+    group, _ = dim_group(mesh, ep)
+    owned = dict(module.named_parameters())
+    done = []
+    for info in experts:
+        for fqn in info.params:
+            if fqn not in owned:
+                continue
+            whole = owned[fqn]
+            if whole.shape[0] != info.num_experts:
+                raise ExpertParallelError(f"{fqn} has leading size {whole.shape[0]}, expected all "
+                                          f"{info.num_experts} experts (keep_local_experts was already applied?)")
+            per = info.num_experts // size
+            local = nn.Parameter(whole.detach()[rank * per:(rank + 1) * per].clone(),
+                                 requires_grad=whole.requires_grad)
+            mark_sharded(local, {ep: group})  # a global gradient norm sums the experts' pieces over ep
+            owner_fqn, _, leaf = fqn.rpartition(".")
+            module.get_submodule(owner_fqn).register_parameter(leaf, local)
+            done.append(fqn)
+    return done
+
+
+def reduce_expert_parallel_grads(params: list[tuple[str, nn.Parameter]], expert_fqns, ep_group, dp_group=None,
+                                 ) -> None:
+    """Average the gradients of plain-tensor expert parallelism (:func:`keep_local_experts`) into one device's.
+
+    Each of the ``ep x dp`` ranks backpropagated the mean loss of its own rows; so a dense parameter's gradient is
+    averaged over ep (and dp), and an expert's (already summed over ep by the all-to-all) divided by ep and averaged
+    over dp. ``params``: ``(fqn, parameter)`` pairs; those named in ``expert_fqns`` are experts. One coalesced
+    all-reduce per group and dtype; every rank of the groups must call it with the same parameters in order.
+    """
+    ep = dist.get_world_size(ep_group)
+    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+    expert_fqns = set(expert_fqns)
+    dense = [p.grad for n, p in params if p.grad is not None and n not in expert_fqns]
+    experts = [p.grad for n, p in params if p.grad is not None and n in expert_fqns]
+    for grads, scale, groups in ((dense, 1.0 / (ep * dp), (ep_group, dp_group)), (experts, 1.0 / (ep * dp),
+                                                                                 (dp_group,))):
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            for group in groups:
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.all_reduce(flat, group=group)
+            flat.mul_(scale)
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,13 +8,16 @@ read key/value head ``g = i // r`` with ``r = n / kv`` ranks sharing each kv hea
   ``num_key_value_heads``; ``auto_plan`` decides it too). Every rank computes the (small) key/value projections of
   all ``kv`` heads; their gradients are the sum over the ranks (each rank's part is non-zero only in the rows of its
   own kv head, so this is the sum over the ``r`` ranks sharing a head).
-* The KV cache holds **only this rank's kv head**: :func:`replicate_kv_heads` wraps the cache each attention module
-  receives, so that ``cache.update`` stores keys/values as a DTensor ``Shard(1)`` on tp whose global value is the
-  keys with every kv head repeated ``r`` times (``[B, n, S, d]``, a valid grouped-query layout with ``n`` kv heads),
-  and each rank's local piece is ``[B, 1, S, d]``: its kv head, cut from the replicated keys without communication.
-  While the cache's keys are used, the module's ``num_key_value_groups`` reads ``h / n`` (query heads per stored kv
-  head), so attention pairs each rank's query heads with its stored kv head. Per rank the cache is ``1/kv`` of the
-  one-device cache (``1/n`` when ``kv`` divides ``n`` is not possible below one head per rank).
+* The KV cache holds **only this rank's kv head**: :func:`~vescale.parallel.parallelize_module` finds such modules in
+  its plan (:func:`planned_kv_replicas`, before any collective) and wraps the cache each of them receives
+  (:func:`install_kv_replicas`; :func:`replicate_kv_heads` does the same for a model parallelized otherwise, and is a
+  no-op on modules already set up), so that ``cache.update`` stores keys/values as a DTensor ``Shard(1)`` on tp
+  whose global value is the keys with every kv head repeated ``r`` times (``[B, n, S, d]``, a valid grouped-query
+  layout with ``n`` kv heads), and each rank's local piece is ``[B, 1, S, d]``: its kv head, cut from the replicated
+  keys without communication. While the cache's keys are used, the module's ``num_key_value_groups`` reads
+  ``h / n`` (query heads per stored kv head), so attention pairs each rank's query heads with its stored kv head.
+  Per rank the cache is ``1/kv`` of the one-device cache (``1/n`` when ``kv`` divides ``n`` is not possible below
+  one head per rank).
 
 Without a cache (``use_cache=False``) attention runs on DTensors as usual: the replicated keys are cut to each rank's
 heads by DTensor's sharding propagation (a local slice). Such attention blocks take the DTensor path, not the fast
@@ -31,7 +34,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.core.errors import PlanError
 
-__all__ = ["replicate_kv_heads", "kv_head_layout"]
+__all__ = ["replicate_kv_heads", "kv_head_layout", "planned_kv_replicas", "install_kv_replicas",
+           "kv_replicated_modules"]
 
 _CACHE_KEYS = ("past_key_values", "cache", "past_key_value")
 
@@ -54,9 +58,11 @@ def replicate_kv_heads(model: nn.Module, mesh, *, tp: str = "tp") -> int:
     """Make each attention module of a parallelized ``model`` whose ``k_proj``/``v_proj`` weights are ``Replicate``
     on ``tp`` while ``q_proj`` is ``Shard(0)`` there keep only this rank's kv head in its KV cache (module docstring).
 
-    Applies to modules with ``config.num_key_value_heads < mesh.size(tp)``; returns how many it changed. Raises
-    :class:`PlanError` (on every rank alike, before any collective) if such a module's head counts cannot be laid out
-    this way. No collective.
+    :func:`~vescale.parallel.parallelize_module` already does this for every such module its plan lays out so; this
+    call is then a no-op (idempotent: a module is never wrapped twice). Applies to modules with
+    ``config.num_key_value_heads < mesh.size(tp)``; returns how many keep one kv head per rank (set up now or
+    before). Raises :class:`PlanError` (on every rank alike, before any collective) if such a module's head counts or
+    placements cannot be laid out this way. No collective.
     """
     names = tuple(mesh.mesh_dim_names or ())
     if tp not in names:
@@ -69,6 +75,9 @@ def replicate_kv_heads(model: nn.Module, mesh, *, tp: str = "tp") -> int:
         kv = getattr(config, "num_key_value_heads", None)
         if not kv or kv >= n or not all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj")):
             continue
+        if getattr(module, "_vescale_kv_replicas", None) == k:
+            changed += 1  # set up by parallelize_module (or an earlier call)
+            continue
         heads = config.num_attention_heads
         if kv_head_layout(kv, n, heads) != "replicate":
             continue
@@ -77,11 +86,64 @@ def replicate_kv_heads(model: nn.Module, mesh, *, tp: str = "tp") -> int:
                             f"on {tp!r} and q_proj Shard(0) there (plans: pass num_key_value_heads=...; auto_plan "
                             f"does this), got k_proj {_placements(module.k_proj.weight)} and q_proj "
                             f"{_placements(module.q_proj.weight)}")
-        group = mesh.get_local_rank(k) // (n // kv)
-        module.register_forward_pre_hook(_Wrap(mesh, k, group, heads // n), with_kwargs=True)
-        module.register_forward_hook(_restore_groups, always_call=True)
+        _install(module, mesh, k)
         changed += 1
     return changed
+
+
+def planned_kv_replicas(model: nn.Module, mesh, placements: dict[str, tuple]) -> list[tuple[str, int]]:
+    """The attention modules of ``model`` that :func:`install_kv_replicas` will set up, from the planned parameter
+    ``placements`` (``{parameter FQN: placements}``, before any parameter is distributed): ``(module FQN, mesh dim)``
+    for each module with ``q_proj``/``k_proj``/``v_proj`` whose ``q_proj.weight`` is ``Shard(0)`` on exactly one mesh
+    dim, whose k/v weights and biases are ``Replicate`` on every mesh dim, and whose ``config.num_key_value_heads``
+    is fewer than that dim's size. Raises :class:`PlanError` naming the module and both head counts when such a
+    module's kv heads cannot be replicated over the ranks (``kv_head_layout``). Pure: the same on every rank, no
+    collective. A plan that shards k/v with fewer kv heads than ranks (split inside a head) is left alone: correct,
+    with the cache replicated."""
+    found = []
+    for fqn, module in model.named_modules():
+        config = getattr(module, "config", None)
+        kv = getattr(config, "num_key_value_heads", None)
+        if not kv or not all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj")):
+            continue
+        prefix = f"{fqn}." if fqn else ""
+        q = placements.get(f"{prefix}q_proj.weight", ())
+        dims = [i for i, p in enumerate(q) if type(p) is Shard and p.dim == 0]
+        if len(dims) != 1 or kv >= mesh.size(dims[0]):
+            continue
+        kv_params = [f"{prefix}{proj}.{attr}" for proj in ("k_proj", "v_proj") for attr in ("weight", "bias")
+                     if getattr(getattr(module, proj), attr, None) is not None]
+        if not all(all(isinstance(p, Replicate) for p in placements.get(name, ())) for name in kv_params):
+            continue
+        try:
+            layout = kv_head_layout(kv, mesh.size(dims[0]), config.num_attention_heads)
+        except PlanError as exc:
+            raise PlanError(f"{fqn}: k_proj/v_proj replicated and q_proj sharded on mesh dim {dims[0]}: "
+                            f"{exc}") from None
+        if layout == "replicate":
+            found.append((fqn, dims[0]))
+    return found
+
+
+def install_kv_replicas(model: nn.Module, mesh, found: list[tuple[str, int]]) -> None:
+    """Wrap the cache of each ``(module FQN, mesh dim)`` of :func:`planned_kv_replicas` (parameters distributed)."""
+    modules = dict(model.named_modules())
+    for fqn, k in found:
+        if getattr(modules[fqn], "_vescale_kv_replicas", None) is None:
+            _install(modules[fqn], mesh, k)
+
+
+def kv_replicated_modules(model: nn.Module) -> list[str]:
+    """FQNs of the attention modules of ``model`` whose KV cache keeps only this rank's kv head."""
+    return [fqn for fqn, m in model.named_modules() if getattr(m, "_vescale_kv_replicas", None) is not None]
+
+
+def _install(module: nn.Module, mesh, k: int) -> None:
+    n, kv, heads = mesh.size(k), module.config.num_key_value_heads, module.config.num_attention_heads
+    group = mesh.get_local_rank(k) // (n // kv)
+    module.register_forward_pre_hook(_Wrap(mesh, k, group, heads // n), with_kwargs=True)
+    module.register_forward_hook(_restore_groups, always_call=True)
+    module._vescale_kv_replicas = k  # the mesh dim; marks the module as set up (replicate_kv_heads is idempotent)
 
 
 def _placements(t: Any) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,8 +28,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from vescale.core import torch_internals
 from vescale.parallel.factory import capture_paused, capture_resumed, capture_suspended
 
-__all__ = ["make_local", "fast_block", "fast_layer", "fast_path", "in_fast_block", "FastBlock", "FastLayer",
-           "FAST_BLOCKS", "FAST_LAYERS"]
+__all__ = ["make_local", "fast_block", "fast_layer", "fast_model", "fast_path", "in_fast_block", "FastBlock",
+           "FastLayer", "FastModel", "FAST_BLOCKS", "FAST_LAYERS", "FAST_MODELS"]
 
 
 def make_local(module: nn.Module, mesh, grad_spec, out_spec, fqn: str) -> None:
@@ -113,8 +114,9 @@ for _family, _name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mist
     FAST_BLOCKS[(_path, f"{_name}Attention")] = ("attention", ("q_proj", "k_proj", "v_proj"), "o_proj")
     if _family != "mixtral":  # Mixtral's MLP is a mixture of experts
         FAST_BLOCKS[(_path, f"{_name}MLP")] = ("mlp", ("gate_proj", "up_proj"), "down_proj")
-#: Decoder layers (exact type) whose ``forward`` is pre-norm residual: ``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``,
-#: with RMSNorms holding one replicated weight. Value: (first norm, attention, second norm, MLP) child names.
+#: Decoder layers (exact type) whose ``forward`` is pre-norm residual: ``x + attn(norm1(x))``, then
+#: ``h + mlp(norm2(h))``, with RMSNorms holding one replicated weight. Value: (first norm, attention, second norm,
+#: MLP) child names.
 FAST_LAYERS: dict[tuple[str, str], tuple[str, str, str, str]] = {}
 for _family, _name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral")):
     _path = f"transformers.models.{_family}.modeling_{_family}"
@@ -152,8 +154,9 @@ class FastBlock:
     Built by :func:`fast_block` only for a :data:`FAST_BLOCKS` class whose layout the plan makes exactly Megatron's:
     column-parallel projections ``Shard(0)`` (weights and biases) on one mesh dim ``k`` and replicated elsewhere, the
     row-parallel projection ``Shard(1)`` on ``k`` without bias, an ``input`` entry making the block's input replicated
-    on ``k`` and replicated or batch-sharded (``Shard(0)``) on every other mesh dim, an ``output`` entry on the row-parallel projection, no other plan entry at or inside the
-    block, heads (attention) dividing by the size of ``k``. Per call it checks: not compiling, not strict mode (strict
+    on ``k`` and replicated or batch-sharded (``Shard(0)``) on every other mesh dim, an ``output`` entry on the
+    row-parallel projection, no other plan entry at or inside the block, heads (attention) dividing by the size of
+    ``k``. Per call it checks: not compiling, not strict mode (strict
     mode's checks see every DTensor op), no active attention dropout, an attention implementation among
     :data:`_ATTENTION_IMPLEMENTATIONS`, the input so placed, every other DTensor argument on the plan's mesh placed like
     it, no argument but the input requiring grad, a KV cache (if any) with an ``update`` method.
@@ -161,8 +164,9 @@ class FastBlock:
     On the fast path the arguments and the block's parameters become their local tensors (``to_local``,
     differentiable: the input's gradient is ``Partial`` on ``k``, a parameter's is partial on the dims where the input
     is sharded, as in the DTensor path), the original ``forward`` runs on plain tensors (the KV cache still stores
-    DTensors sharded on the head dim, see :class:`_CacheOfDTensors`), and its result, the row-parallel projection's local partial sum, is wrapped as a
-    DTensor ``Partial`` on ``k`` and passed through the projection's ``output`` entry (``finish``), exactly the
+    DTensors sharded on the head dim, see :class:`_CacheOfDTensors`), and its result, the row-parallel projection's
+    local partial sum, is wrapped as a DTensor ``Partial`` on ``k`` and passed through the projection's ``output``
+    entry (``finish``), exactly the
     redistribution the DTensor path issues there. Attention weights (eager attention) come back sharded by head.
     """
 
@@ -271,6 +275,9 @@ class FastLayer:
         self.local_calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _layer_group is not None and not isinstance(self._input(args, kwargs), DTensor):
+            self.local_calls += 1  # inside a FastModel: local tensors in, local tensors out, parameters already local
+            return self.orig(*args, **kwargs)
         if torch.compiler.is_compiling() or _layer_group is not None or not self._applies(args, kwargs):
             return self.orig(*args, **kwargs)
         params = self._params()
@@ -381,10 +388,12 @@ def _local_parameters(params: list[tuple], placements: tuple):
     global _fast_depth
     sharded = {i for i, p in enumerate(placements) if isinstance(p, Shard)}
     shadowed = []
+    grad = torch.is_grad_enabled()
     _fast_depth += 1
     try:
         for owner, attr, t in params:
-            vars(owner)[attr] = t.to_local(grad_placements=[
+            # without autograd (a decode step) no gradient placements matter: the stored shard, no autograd node
+            vars(owner)[attr] = torch_internals.local_tensor(t) if not grad else t.to_local(grad_placements=[
                 Partial() if i in sharded and isinstance(p, Replicate) else p for i, p in enumerate(t.placements)])
             shadowed.append((owner, attr))
         with capture_paused() as mode:
@@ -437,11 +446,40 @@ class _CacheOfDTensors:
         self.cache, self.mesh, self.placements, self.mode = cache, mesh, placements, None
 
     def update(self, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
+        layer = self._growing_layer(args, kwargs, key, value)
+        if layer is not None:
+            # what ``DynamicLayer.update`` does (concatenate on the sequence dim, which no placement shards), on this
+            # rank's heads; the layer then holds DTensors of the same placements, as the DTensor path leaves it
+            keys = torch.cat([torch_internals.local_tensor(layer.keys), key], dim=-2)
+            values = torch.cat([torch_internals.local_tensor(layer.values), value], dim=-2)
+            layer.keys = DTensor.from_local(keys, self.mesh, self.placements, run_check=False)
+            layer.values = DTensor.from_local(values, self.mesh, self.placements, run_check=False)
+            return keys, values
         key = _FromLocal.apply(key, self.mesh, self.placements, self.placements)
         value = _FromLocal.apply(value, self.mesh, self.placements, self.placements)
         with capture_resumed(self.mode):
             key, value = self.cache.update(key, value, *args, **kwargs)
         return _to_local(key, self.placements), _to_local(value, self.placements)
+
+    def _growing_layer(self, args: tuple, kwargs: dict, key: torch.Tensor, value: torch.Tensor) -> Any:
+        """The cache layer ``update`` would grow, if it is exactly transformers' ``DynamicLayer`` of a cache without
+        offloading, already holding DTensors of these placements, and no gradient flows through the update (a
+        decode step): then the concatenation can run on local tensors. None otherwise."""
+        idx = args[0] if args else kwargs.get("layer_idx")
+        layers = getattr(self.cache, "layers", None)
+        if not isinstance(idx, int) or not isinstance(layers, list) or not 0 <= idx < len(layers):
+            return None
+        layer = layers[idx]
+        if (type(layer).__qualname__, type(layer).__module__) != ("DynamicLayer", "transformers.cache_utils") \
+                or getattr(self.cache, "offloading", True) or not getattr(layer, "is_initialized", False):
+            return None
+        for t in (layer.keys, layer.values):
+            if not (isinstance(t, DTensor) and t.device_mesh == self.mesh and tuple(t.placements) == self.placements
+                    and t.ndim == key.ndim and t.numel() > 0):
+                return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (key, value, layer.keys, layer.values)):
+            return None
+        return layer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)
@@ -501,7 +539,8 @@ def _batch_or_replicated(placements, k: int) -> bool:
 
 
 def _only_shard_on(placements, dim: int) -> int | None:
-    """The mesh dim on which ``placements`` is exactly ``Shard(dim)`` when every other mesh dim replicates, else None."""
+    """The mesh dim on which ``placements`` is exactly ``Shard(dim)`` when every other mesh dim replicates, else
+    None."""
     found = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim == dim]
     rest = [p for i, p in enumerate(placements) if i not in found]
     if len(found) != 1 or not all(isinstance(p, Replicate) for p in rest):
@@ -584,3 +623,307 @@ def fast_layer(module: nn.Module, mesh, entries_at: bool) -> bool:
         norms.append((name, "weight", tuple(w.placements)))
     module.forward = FastLayer(module, module.forward, mesh, k, blocks, norms)
     return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole causal LM on local tensors: one boundary in (the token ids), one out (the logits)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Causal LMs (exact type) whose ``forward`` is ``lm_head(model(...).last_hidden_state[keep])`` (plus a loss when given
+#: labels), over a decoder model (exact type, the value) that embeds the tokens, builds the masks and the rotary
+#: embedding, runs its layers and a final RMSNorm.
+FAST_MODELS: dict[tuple[str, str], str] = {}
+for _family, _name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral")):
+    FAST_MODELS[(f"transformers.models.{_family}.modeling_{_family}", f"{_name}ForCausalLM")] = f"{_name}Model"
+del _family, _name
+_MODEL_CHILDREN = {"embed_tokens", "layers", "norm", "rotary_emb"}
+
+
+class FastModel:
+    """A causal LM (:data:`FAST_MODELS`) whose every decoder layer is a :class:`FastLayer`, run whole on local tensors
+    as Megatron runs it: the token ids' local tensor goes in, the vocab-parallel embedding looks up this rank's rows
+    (ids outside them read zeros) and all-reduces, the rotary embedding, the masks and every layer compute on this
+    rank's replicated activation, the final norm too, and the column-parallel lm head (identity forward / all-reduce
+    backward on entry) gives this rank's vocabulary columns, wrapped as a DTensor with the lm head's ``output`` entry
+    placements. The root's own boundaries (its ``input`` and ``output`` entries, the plain tensors it returns) apply
+    around it unchanged; the KV cache holds head-sharded DTensors as on the DTensor path (see
+    :class:`_CacheOfDTensors`).
+
+    Built by :func:`fast_model` only when every layer is a :class:`FastLayer` on one mesh dim ``k`` (their placements
+    ``P``), the embedding is an ``nn.Embedding`` sharded ``Shard(0)`` on ``k`` (replicated elsewhere, rows dividing
+    evenly, no ``max_norm``/``sparse``/``scale_grad_by_freq``) whose ``output`` entry is ``[P]``, the lm head an
+    ``nn.Linear`` without bias sharded ``Shard(0)`` on ``k`` whose ``input`` entry is ``[P]`` (or none) and ``output``
+    entry ``P`` with the vocabulary dim sharded on ``k`` (or none), the final norm an RMSNorm with one replicated
+    weight, the rotary embedding static (not ``dynamic``/``longrope``), and no other plan entry names the decoder
+    model or its embedding's input, norm, rotary embedding or layer list. Per call it checks what every layer checks,
+    plus: keyword arguments with ``input_ids`` a DTensor placed ``P`` (not ``inputs_embeds``), no ``labels`` (the
+    loss wants the full
+    vocabulary), no attentions or hidden states asked for, an integer ``logits_to_keep``, every other tensor argument a
+    DTensor placed ``P`` without gradient, every layer still its :class:`FastLayer` (not checkpointed, not compiled);
+    otherwise the model's own ``forward`` runs and its layers decide for themselves.
+
+    Forward values are bitwise those of the DTensor path (the same local kernels and collectives); gradients agree to
+    rounding (see :class:`FastLayer`).
+    """
+
+    def __init__(self, module: nn.Module, orig, mesh, k: int, layers: list, entries: list[tuple],
+                 buffers: list[tuple], placements: tuple, logits_placements: tuple, cache_class: type) -> None:
+        self.module, self.orig, self.mesh, self.k = module, orig, mesh, k
+        self.layers, self.entries, self.buffers, self.cache_class = layers, entries, buffers, cache_class
+        self.placements, self.logits_placements = placements, logits_placements
+        # generate() reads the forward's signature to decide what to pass (attention_mask, logits_to_keep, ...)
+        self.__signature__ = inspect.signature(orig)
+        embed = module.model.embed_tokens
+        rows = embed.weight.shape[0] // mesh.size(k)
+        self.offset = mesh.get_local_rank(k) * rows
+        pad = embed.padding_idx
+        self.padding_idx = pad - self.offset if pad is not None and 0 <= pad - self.offset < rows else None
+        self.local_calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or _layer_group is not None or not self._applies(args, kwargs):
+            return self.orig(*args, **kwargs)
+        params, buffers = self._params(), self._buffers()
+        if params is None or buffers is None:
+            return self.orig(*args, **kwargs)
+        return self._run_local(kwargs, params, buffers)
+
+    def _applies(self, args: tuple, kwargs: dict) -> bool:
+        from vescale.dtensor.strict import is_strict
+
+        if args or not _fast_enabled or is_strict():
+            return False
+        m = self.module
+        for layer, fast in self.layers:
+            if vars(layer).get("forward") is not fast or torch_internals.compiled_call(layer) is not None \
+                    or getattr(layer, "gradient_checkpointing", False) or not all(
+                        b._module_applies() for b in fast.blocks):
+                return False
+        if getattr(m.model, "gradient_checkpointing", False) or torch_internals.compiled_call(m.model) is not None:
+            return False
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, DTensor) or ids.device_mesh != self.mesh or tuple(ids.placements) != self.placements:
+            return False
+        if kwargs.get("inputs_embeds") is not None or kwargs.get("labels") is not None \
+                or not isinstance(kwargs.get("logits_to_keep", 0), int):
+            return False
+        for flag, default in (("output_attentions", False), ("output_hidden_states", False), ("return_dict", True)):
+            value = kwargs.get(flag)
+            if (getattr(m.config, flag, default) if value is None else value) != default:
+                return False
+        for key, v in kwargs.items():
+            if key in _CACHE_KEYS:
+                if v is not None and not callable(getattr(v, "update", None)):
+                    return False
+                continue
+            for t in (v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(t, torch.Tensor) and (not isinstance(t, DTensor) or t.device_mesh != self.mesh
+                                                    or tuple(t.placements) != self.placements or t.requires_grad):
+                    return False
+        return True
+
+    def _params(self) -> list[tuple] | None:
+        """``(owner, attr, dtensor)`` of every parameter now, or None if one is no longer a DTensor on the mesh with
+        the placements checked at installation (replaced since, e.g. by ZeRO 3)."""
+        found = []
+        for owner, attr, placements in self.entries:
+            t = getattr(owner, attr)
+            if not isinstance(t, DTensor) or t.device_mesh != self.mesh or tuple(t.placements) != placements:
+                return None
+            found.append((owner, attr, t))
+        for _, fast in self.layers:
+            got = fast._params()
+            if got is None:
+                return None
+            found += got
+        return found
+
+    def _buffers(self) -> list[tuple] | None:
+        """``(owner, attr, dtensor)`` of the rotary embedding's buffers now (``module.to()`` replaces them), or None if
+        one is no longer a replicated DTensor on the mesh."""
+        found = []
+        for owner, attr in self.buffers:
+            t = getattr(owner, attr)
+            if not (isinstance(t, DTensor) and t.device_mesh == self.mesh
+                    and all(type(p) is Replicate for p in t.placements)):
+                return None
+            found.append((owner, attr, t))
+        return found
+
+    def _run_local(self, kwargs: dict, params: list[tuple], buffers: list[tuple]) -> Any:
+        global _layer_group
+        m = self.module
+        heads = _heads(self.placements, self.k)
+        kwargs = {key: _local_value(v) for key, v in kwargs.items()}
+        ids = kwargs.pop("input_ids")
+        kwargs.pop("inputs_embeds", None)  # None (checked): the embeddings computed here take its place
+        cache_key = next((key for key in _CACHE_KEYS if key in kwargs), "cache")
+        cache = kwargs.get(cache_key)
+        use_cache = kwargs.get("use_cache")
+        if cache is None and (use_cache if use_cache is not None else getattr(m.model.config, "use_cache", False)):
+            # what the decoder model creates itself then (under the root's factory capture, as there)
+            cache = kwargs[cache_key] = self.cache_class(config=m.model.config)
+        if cache is not None:
+            kwargs[cache_key] = _CacheOfDTensors(cache, self.mesh, heads)
+        self.local_calls += 1
+        embed, head = m.model.embed_tokens, m.lm_head
+        group = self.mesh.get_group(self.k)
+        before, _layer_group = _layer_group, group
+        try:
+            with _local_parameters(params, self.placements) as mode, _local_buffers(buffers):
+                if cache is not None:
+                    kwargs[cache_key].mode = mode
+                embeds = _VocabLookup.apply(ids, embed.weight, self.offset, self.padding_idx, group)
+                vars(head)["forward"] = functools.partial(_column_head, head=head, group=group)
+                try:
+                    out = self.orig(inputs_embeds=embeds, **kwargs)
+                finally:
+                    del vars(head)["forward"]
+        finally:
+            _layer_group = before
+        for key in _CACHE_KEYS:
+            if isinstance(out.get(key), _CacheOfDTensors):
+                out[key] = out[key].cache
+        out["logits"] = _FromLocal.apply(out["logits"], self.mesh, self.logits_placements, self.logits_placements)
+        return out
+
+
+def _local_value(v: Any) -> Any:
+    """A call argument with its (checked: gradient-free) DTensors as their local tensors."""
+    if isinstance(v, DTensor):
+        return torch_internals.local_tensor(v)
+    if isinstance(v, dict) and any(isinstance(t, DTensor) for t in v.values()):
+        return {key: _local_value(t) for key, t in v.items()}
+    if isinstance(v, (tuple, list)) and any(isinstance(t, DTensor) for t in v):
+        items = [_local_value(t) for t in v]
+        return type(v)(items) if isinstance(v, list) else tuple(items)
+    return v
+
+
+def _dynamic_cache_class(decoder: nn.Module) -> Any:
+    """``DynamicCache`` as the decoder model's module names it (vescale does not import transformers), or None."""
+    import sys
+
+    return getattr(sys.modules.get(type(decoder).__module__), "DynamicCache", None)
+
+
+@contextlib.contextmanager
+def _local_buffers(buffers: list[tuple]):
+    """Within, each ``(owner, attr, dtensor)`` buffer (replicated, no gradient) reads as its local tensor."""
+    for owner, attr, t in buffers:
+        vars(owner)[attr] = torch_internals.local_tensor(t)
+    try:
+        yield
+    finally:
+        for owner, attr, _ in buffers:
+            vars(owner).pop(attr, None)
+
+
+def _column_head(x: torch.Tensor, *, head: nn.Module, group) -> torch.Tensor:
+    """The lm head on this rank's vocabulary rows (Megatron's column-parallel linear; the weight is local here)."""
+    return torch.nn.functional.linear(_EnterGroup.apply(x, group), head.weight)
+
+
+class _VocabLookup(torch.autograd.Function):
+    """Megatron's vocab-parallel embedding: this rank's rows looked up (ids outside them read zeros), all-reduced over
+    the tp group; backward: each rank's rows get the (replicated) gradient of the positions whose ids they hold."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, offset: int, padding_idx, group) -> torch.Tensor:
+        local = ids - offset
+        outside = (local < 0) | (local >= weight.shape[0])
+        local = local.masked_fill(outside, 0)
+        out = torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        torch.distributed.all_reduce(out, group=group)
+        ctx.save_for_backward(local, outside)
+        ctx.rows, ctx.padding_idx = weight.shape[0], padding_idx
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, outside = ctx.saved_tensors
+        grad = grad.masked_fill(outside.unsqueeze(-1), 0.0)
+        dweight = torch.ops.aten.embedding_dense_backward(grad, local, ctx.rows,
+                                                          -1 if ctx.padding_idx is None else ctx.padding_idx, False)
+        return None, dweight, None, None, None
+
+
+def fast_model(module: nn.Module, mesh, inputs: dict, outputs: dict, named: list[str]) -> bool:
+    """Install :class:`FastModel` on ``module`` if its class, its layers and the plan qualify (see there); return
+    whether it did. ``inputs``/``outputs`` map the module's own descendants' relative FQNs to their entries' specs,
+    ``named`` lists every relative FQN a plan entry names. Static checks only, no collective."""
+    decoder_class = FAST_MODELS.get((type(module).__module__, type(module).__qualname__))
+    if decoder_class is None or "forward" in vars(module):
+        return False
+    children = dict(module.named_children())
+    decoder, head = children.get("model"), children.get("lm_head")
+    if set(children) != {"model", "lm_head"} or type(decoder).__qualname__ != decoder_class \
+            or type(decoder).__module__ != type(module).__module__ \
+            or set(dict(decoder.named_children())) != _MODEL_CHILDREN:
+        return False
+    fixed = {"model", "model.norm", "model.rotary_emb", "model.layers"}
+    if any(n in fixed or n.startswith(("model.norm.", "model.rotary_emb.", "model.embed_tokens.", "lm_head."))
+           for n in named) or "model.embed_tokens" in inputs or "forward" in vars(decoder):
+        return False
+    layers = [(layer, vars(layer).get("forward")) for layer in decoder.layers]
+    if not layers or not all(isinstance(f, FastLayer) and f.mesh == mesh for _, f in layers):
+        return False
+    k = layers[0][1].k
+    placements = layers[0][1].blocks[0].row_placements
+    if any(f.k != k or any(b.row_placements != placements for b in f.blocks) for _, f in layers):
+        return False
+    embed, norm, rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
+    vocab_rows = tuple(Shard(0) if i == k else Replicate() for i in range(mesh.ndim))
+    if getattr(vars(embed).get("forward"), "func", None) is _local_forward:
+        return False  # a ``local`` entry: the plan wants that module's own forward
+    if not (type(embed) is nn.Embedding and isinstance(embed.weight, DTensor) and embed.weight.device_mesh == mesh
+            and tuple(embed.weight.placements) == vocab_rows and embed.weight.shape[0] % mesh.size(k) == 0
+            and embed.max_norm is None and not embed.sparse and not embed.scale_grad_by_freq
+            and not [n for n, _ in embed.named_buffers()] and list(embed.parameters()) == [embed.weight]):
+        return False
+    if not (type(head) is nn.Linear and head.bias is None and isinstance(head.weight, DTensor)
+            and head.weight.device_mesh == mesh and tuple(head.weight.placements) == vocab_rows
+            and "forward" not in vars(head)):
+        return False
+    if not _same_spec(outputs.get("model.embed_tokens"), placements) or \
+            ("lm_head" in inputs and not _same_spec(inputs["lm_head"], placements)):
+        return False
+    logits = tuple(Shard(2) if i == k else p for i, p in enumerate(placements))
+    if "lm_head" in outputs:
+        spec = outputs["lm_head"]
+        if not (isinstance(spec, (list, tuple)) and len(spec) == 1 and isinstance(spec[0], (list, tuple))
+                and len(spec[0]) == mesh.ndim and all(
+                    (type(p) is Shard and p.dim in (-1, 2)) if i == k else p == placements[i]
+                    for i, p in enumerate(spec[0]))):
+            return False
+    state = [*norm.named_parameters(), *norm.named_buffers()]
+    if [n for n, _ in state] != ["weight"] or list(norm.children()) or "forward" in vars(norm) \
+            or not (isinstance(norm.weight, DTensor) and norm.weight.device_mesh == mesh
+                    and all(type(p) is Replicate for p in norm.weight.placements)):
+        return False
+    rope = getattr(rotary, "rope_type", None)
+    if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope" or list(rotary.parameters()) \
+            or list(rotary.children()) or "forward" in vars(rotary):
+        return False
+    buffers = []
+    for name, buf in rotary.named_buffers():
+        if not (isinstance(buf, DTensor) and buf.device_mesh == mesh
+                and all(type(p) is Replicate for p in buf.placements)):
+            return False
+        buffers.append((rotary, name))
+    cache_class = _dynamic_cache_class(decoder)
+    if cache_class is None:
+        return False
+    entries = [(owner, "weight", tuple(owner.weight.placements)) for owner in (embed, norm, head)]
+    n_layer_params = sum(len(f.norms) + sum(len(b.params) for b in f.blocks) for _, f in layers)
+    if len(entries) + n_layer_params != len(list(module.parameters())):
+        return False  # a parameter elsewhere (tied embeddings count once: refused, the lm head would be local twice)
+    module.forward = FastModel(module, module.forward, mesh, k, layers, entries, buffers, placements, logits,
+                               cache_class)
+    return True
+
+
+def _same_spec(spec: Any, placements: tuple) -> bool:
+    """Whether a one-argument/one-output plan entry gives exactly ``placements``."""
+    return (isinstance(spec, (list, tuple)) and len(spec) == 1 and isinstance(spec[0], (list, tuple))
+            and tuple(spec[0]) == tuple(placements))

@@ -15,6 +15,13 @@ All tensors are marked ``updated_by_step``. The boxes' data are views of the opt
 them in place; :func:`load_sharded_state_dict` then applies the loaded hyper-parameters and scalar values.
 Because the keys and boxes are those of the global parameters, a checkpoint of one dp size (or of a plain
 optimizer) loads into any other.
+
+Expert parallelism (DDP's ``data_dims=("ep",)``) needs nothing more: a piece is a range of what its rank's bucket
+holds, whatever ranks the bucket is sharded over. A dense parameter (``Replicate`` on ep, its buckets sharded over
+the flattened dp x ep ranks) is a flat range of the whole tensor on that dim; an expert parameter (``Shard(0)`` on
+ep, its buckets sharded over dp) has the local tensor of its ep rank's experts, so the shift above (the DTensor's
+local chunk offset, over every mesh dim of the parameter: ep and tp) places the piece at its experts. Such a
+checkpoint loads on another ep size and on one process (``integration_tests/test_checkpoint_experts.py``).
 """
 
 from __future__ import annotations

@@ -48,7 +48,17 @@ from vescale.core.placement_format import format_placements
 from vescale.dtensor import distribute_tensor, is_deferred, materialize
 from vescale.parallel.compile import install_compilable_embeddings
 from vescale.parallel.factory import FactoryCapture, capture_suspended
-from vescale.parallel.local import FAST_BLOCKS, FAST_LAYERS, fast_block, fast_layer, in_fast_block, make_local
+from vescale.parallel.kv_replicas import install_kv_replicas, planned_kv_replicas
+from vescale.parallel.local import (
+    FAST_BLOCKS,
+    FAST_LAYERS,
+    FAST_MODELS,
+    fast_block,
+    fast_layer,
+    fast_model,
+    in_fast_block,
+    make_local,
+)
 from vescale.parallel.plan_grammar import Plan, check_plan, mesh_description
 from vescale.parallel.report import PlanEntry, PlanReport
 
@@ -64,6 +74,10 @@ def parallelize_module(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Mo
     :class:`~vescale.core.errors.PlanError` (naming the section, pattern, FQN, shape, placements and mesh dim) on
     every rank before any collective. ``module.plan_report()`` returns the
     :class:`~vescale.parallel.report.PlanReport` afterwards.
+
+    Attention modules with fewer key/value heads than ranks on the mesh dim sharding ``q_proj``, whose plan replicates
+    ``k_proj``/``v_proj``, keep only this rank's kv head in their KV cache (:mod:`vescale.parallel.kv_replicas`; head
+    counts that cannot be replicated so raise ``PlanError`` before any collective).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize_module expects an nn.Module, got {type(module).__name__}")
@@ -71,10 +85,13 @@ def parallelize_module(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Mo
     mesh_desc = mesh_description(mesh)
     decisions = _decide_parameters(module, mesh, checked.parameter, mesh_desc)
     inputs, outputs, local = (_decide_boundaries(module, getattr(checked, s), s) for s in ("input", "output", "local"))
+    # fewer kv heads than tp ranks with k/v replicated: each rank's KV cache keeps only its kv head (.kv_replicas)
+    kv_replicas = planned_kv_replicas(module, mesh, {f: p for fqns, p, _ in decisions.values() for f in fqns})
 
     report = PlanReport(mesh_desc)
     _distribute_state(module, mesh, decisions, report)
     _install_hooks(module, mesh, inputs, outputs, local, report)
+    install_kv_replicas(module, mesh, kv_replicas)
     install_compilable_embeddings(module)
     module.plan_report = functools.partial(_identity, report)
     return module
@@ -326,6 +343,14 @@ def _install_fast_blocks(mods: dict, mesh, inputs: dict, outputs: dict, local: d
             continue
         norms = [f"{fqn}.{known[i]}" for i in (0, 2)]
         fast_layer(mod, mesh, any(n == fqn or any(n == o or n.startswith(o + ".") for o in norms) for n in named))
+    # then whole causal LMs whose every layer went fast (:class:`vescale.parallel.local.FastModel`): relative FQNs
+    for fqn, mod in mods.items():
+        if (type(mod).__module__, type(mod).__qualname__) not in FAST_MODELS:
+            continue
+        prefix = f"{fqn}." if fqn else ""
+        inside = {n[len(prefix):]: spec for n, (_, spec) in inputs.items() if n.startswith(prefix) and n != fqn}
+        after = {n[len(prefix):]: spec for n, (_, spec) in outputs.items() if n.startswith(prefix) and n != fqn}
+        fast_model(mod, mesh, inside, after, [n[len(prefix):] for n in named if n.startswith(prefix) and n != fqn])
 
 
 def _finish_row(out: Any, *, spec, mesh, fqn: str) -> Any:

@@ -110,7 +110,7 @@ def _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, *, biases: bool,
 
 def _replicate_kv(plan: dict, d: _Dims, mesh, kv: int, biases: bool) -> None:
     """Fewer kv heads than tp ranks: ``k_proj``/``v_proj`` replicated on tp (see :mod:`vescale.parallel.kv_replicas`,
-    whose :func:`~vescale.parallel.kv_replicas.replicate_kv_heads` then keeps one kv head per rank in the cache)."""
+    whose setup, run by ``parallelize_module``, then keeps one kv head per rank in the cache)."""
     from vescale.parallel.kv_replicas import kv_head_layout
 
     if kv_head_layout(kv, mesh.size(d.names.index(d.tp))) == "replicate":
@@ -133,9 +133,9 @@ def llama_plan(mesh, *, tp: str = "tp", dp: str | None = "dp", sequence_parallel
     """Plan for Hugging Face ``LlamaForCausalLM`` (call it with ``input_ids``; ``use_cache=False``).
 
     ``num_key_value_heads`` (the model's ``config.num_key_value_heads``; also for Qwen2 and Mixtral): when it is
-    fewer than the tp size, ``k_proj``/``v_proj`` are replicated on tp instead of split inside a head; call
-    :func:`~vescale.parallel.replicate_kv_heads` after ``parallelize_module`` so the KV cache keeps one kv head per
-    rank (:mod:`vescale.parallel.kv_replicas`). Raises ``PlanError`` if the kv heads neither divide over tp nor
+    fewer than the tp size, ``k_proj``/``v_proj`` are replicated on tp instead of split inside a head, and
+    ``parallelize_module`` makes the KV cache keep one kv head per rank (:mod:`vescale.parallel.kv_replicas`; no
+    separate call). Raises ``PlanError`` if the kv heads neither divide over tp nor
     replicate over it. Omitted: k/v are sharded by rows whatever the head count (kv heads fewer than tp then split
     inside a head, which DTensor all-gathers at the head view: correct, but the cache is replicated)."""
     return _hf_plan(mesh, tp, dp, sequence_parallel, loss_parallel, biases=False,

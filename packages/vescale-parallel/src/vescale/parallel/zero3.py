@@ -21,7 +21,9 @@ frees the gathered parameters.
 
 Mixed precision (:func:`bf16_policy`): FSDP2 keeps the sharded parameters (the masters, which the optimizer updates
 and a checkpoint saves) in their own dtype, fp32, casts the gathered parameters to bf16 for forward and backward, and
-reduces the gradients in fp32 (or bf16, when asked), so the optimizer state stays fp32 too.
+reduces the gradients in fp32 (or bf16, when asked), so the optimizer state stays fp32 too. A pipeline stage's
+captured graph fixes its dtypes at capture, so it is captured in bf16 and ``fully_shard_stage(master_dtype=)``
+widens its parameters to the fp32 masters before sharding.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def fully_shard_dp(module: nn.Module, mesh, *, blocks: str | None = None, reshar
 
 
 def fully_shard_stage(stage: nn.Module, mesh, *, reshard_after_forward: bool = False,
-                      mp_policy: Any = None) -> Zero3Stage:
+                      mp_policy: Any = None, master_dtype: torch.dtype | None = None) -> Zero3Stage:
     """Shard one pipeline stage's parameters over the data-parallel dims of ``mesh`` (ZeRO 3 / HSDP, as
     :func:`fully_shard_dp`), the whole stage as one FSDP2 unit; return it in a :class:`Zero3Stage` for
     ``PipeEngine.wrap_stages``.
@@ -111,15 +113,50 @@ def fully_shard_stage(stage: nn.Module, mesh, *, reshard_after_forward: bool = F
     and gathers them again at the next forward or backward that finds them freed (least memory; up to 2 x M
     all-gathers a step, M + 1 under GPipe). Either way the stage's gradients are reduce-scattered once a step, in
     its last backward.
+
+    Mixed precision: a captured stage's graph hard-codes the dtypes it was captured in (an RMSNorm's upcast to fp32
+    and its cast back to the input's dtype are constants of the graph), so a bf16 stage is captured from the model
+    cast to bf16. ``master_dtype=torch.float32`` then casts the stage's floating-point parameters (not its buffers,
+    which the graph uses as captured) to fp32 before sharding, the masters the optimizer steps, while ``mp_policy``
+    (:func:`bf16_policy`) hands the graph bf16 gathered parameters again; ties within the stage are kept. Refused
+    (:class:`Zero3Error`, local, before any collective) when ``mp_policy``'s ``param_dtype`` is not the dtype the
+    stage's parameters were captured in.
     No collective here (FSDP2 gathers lazily at the first forward).
     """
     from torch.distributed.fsdp import fully_shard
 
+    if master_dtype is not None:
+        _check_compute_dtype(stage, mp_policy)
+        _cast_parameters(stage, master_dtype)
     kw = {"mesh": zero3_dp_mesh(mesh), "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     _shard_outside_capture(stage, fully_shard, kw)
     return Zero3Stage(stage)
+
+
+def _check_compute_dtype(stage: nn.Module, mp_policy: Any) -> None:
+    """Raise :class:`Zero3Error` unless ``mp_policy`` computes in the dtype of every floating parameter of
+    ``stage`` (the dtype its graph was captured in): otherwise the graph would see parameters of another dtype."""
+    compute = getattr(mp_policy, "param_dtype", None)
+    wrong = sorted(f"{n} ({p.dtype})" for n, p in stage.named_parameters()
+                   if p.is_floating_point() and p.dtype != compute)
+    if compute is None or wrong:
+        raise Zero3Error(f"fully_shard_stage(master_dtype=...) needs an mp_policy whose param_dtype is the dtype the "
+                         f"stage was captured in; param_dtype is {compute}, but parameters {wrong[:4]} differ")
+
+
+def _cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Replace every floating-point parameter of ``module`` by a new parameter of ``dtype`` (the same values,
+    widened; DTensors stay DTensors), under the same names; one parameter registered under two names stays one."""
+    new: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
+            if not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            setattr(mod, name, new[id(p)])
 
 
 class Zero3Stage(nn.Module):
