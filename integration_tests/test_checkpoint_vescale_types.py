@@ -172,13 +172,9 @@ def test_zero_optimizer_async_save_is_fenced_by_its_step(tmp_path):
 
 def _mixtral(seed: int):
     """A tiny unmodified Mixtral (4 experts, top-2) from ``seed``."""
-    import transformers as tf
+    from vescale.core.testing.models import tiny_mixtral
 
-    torch.manual_seed(seed)
-    config = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                              attn_implementation="eager", experts_implementation="eager")
-    return tf.MixtralForCausalLM(config).train()
+    return tiny_mixtral(seed)
 
 
 def _ep_save_trained(path: str) -> dict:

@@ -26,15 +26,9 @@ LR, MOMENTUM, STEPS = 0.1, 0.9, 2
 
 
 def _build(seed: int = 0):
-    import torch
-    import transformers as tf
+    from vescale.core.testing.models import tiny_mixtral
 
-    torch.manual_seed(seed)
-    cfg = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                           attn_implementation="eager", output_router_logits=True, router_aux_loss_coef=0.1,
-                           experts_implementation="eager", num_local_experts=4, num_experts_per_tok=2)
-    return tf.MixtralForCausalLM(cfg).train()
+    return tiny_mixtral(seed, output_router_logits=True, router_aux_loss_coef=0.1)
 
 
 def _batch(step: int):

@@ -18,15 +18,9 @@ LAYERS = 2
 
 
 def _build(seed: int = 0):
-    import torch
-    import transformers as tf
+    from vescale.core.testing.models import tiny_mixtral
 
-    torch.manual_seed(seed)
-    cfg = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=LAYERS,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                           attn_implementation="eager", experts_implementation="eager", num_local_experts=4,
-                           num_experts_per_tok=2, use_cache=False)
-    return tf.MixtralForCausalLM(cfg).train()
+    return tiny_mixtral(seed, num_hidden_layers=LAYERS, use_cache=False)
 
 
 @multi_rank(world_sizes=[2])

@@ -70,6 +70,7 @@ __all__ = [
     "op_schema",
     "storage_id",
     "tensor_version",
+    "set_own_parameters",
     "compiled_original",
     "compiled_call",
     "set_compiled_call",
@@ -278,6 +279,17 @@ def tensor_version(t: Any) -> int:
     """``t``'s version counter (bumped by every in-place write to it or a view of it; RuntimeError for an inference
     tensor). Why: torch exposes the counter only as ``_version``."""
     return t._version
+
+
+def set_own_parameters(module: Any, params: dict) -> None:
+    """Make ``params`` (name -> tensor or None, plain tensors allowed) the whole table of ``module``'s own parameters,
+    replacing the table rather than assigning attributes one by one.
+
+    Why: ``nn.Module`` keeps its own parameters in ``_parameters``; ``setattr`` and ``register_parameter`` accept only
+    ``nn.Parameter`` (or None) there, while an operator that runs a module's own ``forward`` on the tensors autograd
+    hands it (plain tensors, views) needs exactly those tensors in the table, and a fresh table per call.
+    """
+    module._parameters = dict(params)
 
 
 def compiled_original(module: Any) -> Any:

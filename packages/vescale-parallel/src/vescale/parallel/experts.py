@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from vescale.core.torch_internals import set_own_parameters
 from vescale.parallel.errors import ExpertParallelError
 
 __all__ = ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "ExpertsInfo",
@@ -347,7 +348,7 @@ def _shallow_template(module: nn.Module, names: list[str]) -> nn.Module:
     import copy
 
     template = copy.copy(module)
-    template._parameters = dict.fromkeys(names)
+    set_own_parameters(template, dict.fromkeys(names))
     template.__dict__.pop("forward", None)
     return template
 
@@ -361,13 +362,13 @@ def _run_op(key: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     """:func:`_ep_forward` with the experts module's own forward on ``params`` (this rank's experts)."""
     setup = _OP_SETUPS[key]
     template = setup.template
-    template._parameters = dict(zip(setup.names, params))
+    set_own_parameters(template, dict(zip(setup.names, params)))
     try:
         return _ep_forward(hidden, top_k_index, top_k_weights, orig=functools.partial(setup.forward, template),
                            module=template, num_experts=setup.num_experts, group=setup.group,
                            capacity_factor=setup.capacity_factor)
     finally:
-        template._parameters = dict.fromkeys(setup.names)
+        set_own_parameters(template, dict.fromkeys(setup.names))
 
 
 @torch.library.custom_op("vescale::ep_experts", mutates_args=())
@@ -413,6 +414,18 @@ def _op_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     return _ep_experts(hidden_states, top_k_index, top_k_weights, params, key)
 
 
+def _undistributed_experts(model: nn.Module, capacity_factor) -> list:
+    """The experts of ``model`` (:func:`find_experts`), after checking ``capacity_factor`` (a positive number or None)
+    and that none is distributed yet; raises :class:`ExpertParallelError` (local, before any collective)."""
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
+        raise ExpertParallelError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
+    experts = find_experts(model)
+    done = [e.fqn for e in experts if e.module in _DISTRIBUTED]
+    if done:
+        raise ExpertParallelError(f"the experts {done} are already distributed by parallelize_experts")
+    return experts
+
+
 def experts_as_operator(model: nn.Module, mesh, *, ep: str = "ep",
                         capacity_factor: float | None = None) -> list[ExpertsInfo]:
     """Make each experts module of ``model`` dispatch over mesh dim ``ep`` through one custom operator,
@@ -433,12 +446,7 @@ def experts_as_operator(model: nn.Module, mesh, *, ep: str = "ep",
     """
     from vescale.core.mesh import dim_group
 
-    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
-        raise ExpertParallelError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
-    experts = find_experts(model)
-    done = [e.fqn for e in experts if e.module in _DISTRIBUTED]
-    if done:
-        raise ExpertParallelError(f"the experts {done} are already distributed by parallelize_experts")
+    experts = _undistributed_experts(model, capacity_factor)
     expert_parallel_plan(model, mesh, None, ep=ep, experts=experts)  # the same checks (mesh dim, divisibility)
     bad = [e.fqn for e in experts if "forward" in vars(e.module)]
     if bad:
@@ -540,12 +548,7 @@ def parallelize_experts(module: nn.Module, mesh, plan: Mapping | None = None, *,
     from vescale.core.mesh import dim_group
     from vescale.parallel.parallelize import parallelize_module
 
-    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
-        raise ExpertParallelError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
-    experts = find_experts(module)
-    done = [e.fqn for e in experts if e.module in _DISTRIBUTED]
-    if done:
-        raise ExpertParallelError(f"the experts {done} are already distributed by parallelize_experts")
+    experts = _undistributed_experts(module, capacity_factor)
     full_plan = expert_parallel_plan(module, mesh, plan, ep=ep, dp=dp, experts=experts)
     group, _ = dim_group(mesh, ep)
     for info in experts:

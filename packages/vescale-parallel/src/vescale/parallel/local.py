@@ -683,7 +683,7 @@ class FastModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or _layer_group is not None or not self._applies(args, kwargs):
             return self.orig(*args, **kwargs)
-        params, buffers = self._params(), self._buffers()
+        params, buffers = self._params(), self._current_buffers()
         if params is None or buffers is None:
             return self.orig(*args, **kwargs)
         return self._run_local(kwargs, params, buffers)
@@ -738,7 +738,7 @@ class FastModel:
             found += got
         return found
 
-    def _buffers(self) -> list[tuple] | None:
+    def _current_buffers(self) -> list[tuple] | None:
         """``(owner, attr, dtensor)`` of the rotary embedding's buffers now (``module.to()`` replaces them), or None if
         one is no longer a replicated DTensor on the mesh."""
         found = []

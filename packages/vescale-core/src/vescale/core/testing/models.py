@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "RMSNorm", "Attention", "MLP", "Block", "cross_entropy", "TiedPair", "TiedPairStage"]
+__all__ = ["GPTConfig", "GPT", "RMSNorm", "Attention", "MLP", "Block", "cross_entropy", "TiedPair", "TiedPairStage",
+           "tiny_mixtral"]
 
 
 @dataclass
@@ -234,3 +235,18 @@ class TiedPairStage(nn.Module):
         if self.index == 0:
             return torch.tanh(self.l1(self.emb(x)))
         return torch.tanh(self.l2(x)) @ self.emb.weight.T
+
+
+def tiny_mixtral(seed: int = 0, *, num_hidden_layers: int = 2, **config) -> nn.Module:
+    """An unmodified Hugging Face ``MixtralForCausalLM`` in training mode, initialised from ``seed``: vocabulary 64,
+    width 32, 4 heads over 2 kv heads, 4 experts of width 32 with top-2 routing, eager attention and experts (the
+    paths a parallelizer must handle unchanged); ``config`` overrides or adds ``MixtralConfig`` fields (e.g.
+    ``output_router_logits=True, router_aux_loss_coef=0.1`` for the load-balancing loss). Needs ``transformers``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=num_hidden_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4,
+                  num_experts_per_tok=2, attn_implementation="eager", experts_implementation="eager")
+    fields.update(config)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**fields)).train()
