@@ -94,13 +94,15 @@ def ref_dp1():
     return _reference([SAVED_DP] * 2 + [1])
 
 
-def _zero(dp: int, ep: int, stage: int):
-    """The tiny Mixtral with its experts over ``ep``, in DDP over dp x ep (several buckets), ZeRO ``stage`` AdamW."""
+def _zero(dp: int, ep: int, stage: int, tp: int = 1):
+    """The tiny Mixtral with its experts over ``ep`` (``tp`` > 1: and ``mixtral_plan`` over tp, attention by heads and
+    each expert's FFN inside its ep rank), in DDP over dp x ep (several buckets), ZeRO ``stage`` AdamW."""
     from vescale.core.mesh import init_mesh, sub_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, parallelize_experts
+    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, mixtral_plan, parallelize_experts
 
-    mesh = init_mesh({"dp": dp, "ep": ep})
-    model = parallelize_experts(_build(), sub_mesh(mesh, "ep"))
+    mesh = init_mesh({"dp": dp, "ep": ep, "tp": tp} if tp > 1 else {"dp": dp, "ep": ep})
+    inner = sub_mesh(mesh, "ep", "tp") if tp > 1 else sub_mesh(mesh, "ep")
+    model = parallelize_experts(_build(), inner, mixtral_plan(inner) if tp > 1 else None)
     ddp = DistributedDataParallel(model, mesh, bucket_size_mb=0.01, zero_stage=2 if stage == 2 else 0,
                                   data_dims=("ep",))
     return mesh, ddp, DistributedOptimizer(ddp, torch.optim.AdamW, zero_stage=stage, lr=LR, weight_decay=WD,
@@ -154,24 +156,25 @@ def _check(got: dict, grads: dict | None, ref: dict, what: str) -> None:
     assert {"exp_avg", "exp_avg_sq", "step"} <= names and experts, f"{what}: state boxes {sorted(names)}"
 
 
-def _train_save(path: str) -> list:
+def _train_save(path: str, dp: int = SAVED_DP, tp: int = 1) -> list:
+    """Two ZeRO-2 steps on dp x ep2 (x tp), saved to ``path``; this rank's snapshot at the save."""
     from vescale.core.testing.reference import one_thread
 
     with one_thread():
-        mesh, ddp, opt = _zero(SAVED_DP, 2, 2)
+        mesh, ddp, opt = _zero(dp, 2, 2, tp)
         for i in range(2):
             _step(mesh, ddp, opt, i)
         checkpoint.save(path, {"model": ddp, "optim": opt, "step": 2})
         return _snapshot(ddp, opt)
 
 
-def _resume(path: str, dp: int, ep: int, stage: int) -> tuple[dict, dict, dict]:
-    """A fresh run on dp x ep (its optimizer state built by the load) loaded from ``path``: the loaded snapshot,
-    then step 2's gradients and the snapshot after it."""
+def _resume(path: str, dp: int, ep: int, stage: int, tp: int = 1) -> tuple[dict, dict, dict]:
+    """A fresh run on dp x ep (x tp) (its optimizer state built by the load) loaded from ``path``: the loaded
+    snapshot, then step 2's gradients and the snapshot after it."""
     from vescale.core.testing.reference import one_thread
 
     with one_thread():
-        mesh, ddp, opt = _zero(dp, ep, stage)
+        mesh, ddp, opt = _zero(dp, ep, stage, tp)
         state = {"model": ddp, "optim": opt, "step": 0}
         checkpoint.load(path, state)
         assert state["step"] == 2 and opt.param_groups[0]["lr"] == LR and opt.param_groups[0]["weight_decay"] == WD
@@ -217,9 +220,15 @@ def test_ep_zero2_checkpoint_loads_on_one_process_into_plain_adamw(saved, ref_dp
     """The dp2 x ep2 checkpoint loaded on one process into the unmodified model and a plain AdamW (lr and weight
     decay restored from it): parameters and the whole state match the reference after two steps, and a third step
     over the whole batch matches the reference's."""
+    _check_one_process(saved[0], ref_dp1)
+
+
+def _check_one_process(path: str, ref: list[dict]) -> None:
+    """``path`` loaded on one process into the unmodified model and a plain AdamW (lr, weight decay and eps restored
+    from it) matches ``ref`` after two steps (parameters, the whole state), and a third step over the whole batch
+    matches ``ref``'s third (gradients, parameters, state)."""
     from vescale.core.testing.reference import one_thread
 
-    path, _ = saved
     with one_thread():
         model = _build()
         opt = torch.optim.AdamW(model.parameters(), lr=0.5)  # the load restores lr, weight decay and eps
@@ -232,11 +241,43 @@ def test_ep_zero2_checkpoint_loads_on_one_process_into_plain_adamw(saved, ref_dp
                 tokens, labels = _batch(2)
                 model(input_ids=tokens, labels=labels).loss.backward()
                 for k, p in model.named_parameters():
-                    _close(p.grad, ref_dp1[2]["grads"][k], f"plain: gradient of {k}")
+                    _close(p.grad, ref[2]["grads"][k], f"plain: gradient of {k}")
                 opt.step()
             for k, p in model.named_parameters():
-                torch.testing.assert_close(p.detach(), ref_dp1[step]["params"][k], **PARAM_TOL,
+                torch.testing.assert_close(p.detach(), ref[step]["params"][k], **PARAM_TOL,
                                            msg=f"plain after step {step + 1}: {k}")
                 for name in ("exp_avg", "exp_avg_sq", "step"):
-                    _close(opt.state[p][name], ref_dp1[step]["state"][k][name],
+                    _close(opt.state[p][name], ref[step]["state"][k][name],
                            f"plain after step {step + 1}: {k} {name}")
+
+
+# ep x tp: each expert's FFN tp-sharded inside its ep rank (mixtral_plan: gate_up_proj InterleavedShard(1, 2), down_proj
+# Shard(2)) and attention by heads, then ZeRO-2 pieces of those shards; dp = 1, so the reference's steps are over the
+# whole batch, as both loads' next step.
+@pytest.fixture(scope="module")
+def ref_whole():
+    """The reference of the ep2 x tp2 run (and of its loads): every step over the whole batch."""
+    return _reference([1] * 3)
+
+
+@pytest.fixture(scope="module")
+def saved_tp(tmp_path_factory, ref_whole):
+    """Two ZeRO-2 steps on dp1 x ep2 x tp2 (4 ranks), saved; each rank's parameters and state boxes at the save
+    match the reference's."""
+    path = str(tmp_path_factory.mktemp("ep_tp_zero2") / "ckpt")
+    for rank, snapshot in enumerate(run_on_ranks(_train_save, 4, path, 1, 2)):
+        _check(snapshot, None, ref_whole[1], f"ep2 x tp2 at save, rank {rank}")
+    return path
+
+
+def test_ep_tp_zero2_checkpoint_reshards_to_ep4(saved_tp, ref_whole):
+    """The ep2 x tp2 ZeRO-2 checkpoint loaded on dp1 x ep4 without tp (ZeRO-2, one whole expert per rank): the
+    loaded state and the next step match the single-device run's."""
+    for rank, (loaded, grads, after) in enumerate(run_on_ranks(_resume, 4, saved_tp, 1, 4, 2)):
+        _check(loaded, None, ref_whole[1], f"ep2 x tp2 -> ep4 loaded, rank {rank}")
+        _check(after, grads, ref_whole[2], f"ep2 x tp2 -> ep4 resumed, rank {rank}")
+
+
+def test_ep_tp_zero2_checkpoint_loads_on_one_process_into_plain_adamw(saved_tp, ref_whole):
+    """The ep2 x tp2 ZeRO-2 checkpoint loaded on one process into the unmodified model and a plain AdamW."""
+    _check_one_process(saved_tp, ref_whole)

@@ -324,7 +324,7 @@ def pretrained_problems(name: str) -> list[str]:
         model = create(name)
     held = {k: list(t.shape) for k, t in model.state_dict().items()}
     tied = tied_names(model)
-    stored = stored_names(name, held)  # (experts one tensor per expert, by transformers' conversion rules)
+    stored = stored_names(name, held, files)  # (experts one tensor per expert, by transformers' conversion rules)
     problems = [f"--model {name}: {k!r} is {_stored_shape(s, files)} from its safetensors "
                 f"({s.parts[0][0]!r}, ...), {held[k]} in the model built from its config.json"
                 for k, s in stored.items() if _stored_shape(s, files) != held[k]]
@@ -353,15 +353,15 @@ def load_pretrained(src: str, modules: list[nn.Module], *, stages: bool = False,
     ``_load_stored``, each rank reading only its boxes (an ep rank: its experts' tensors)."""
     from vescale.checkpoint import import_hf
 
+    files = hf_weight_names(src)  # the safetensors headers, read once for every module
     # tensors the directory holds under other names (experts one tensor per expert), read by _load_stored
-    stored = [stored_names(src, {k: list(t.shape) for k, t in m.state_dict().items()}) for m in modules]
+    stored = [stored_names(src, {k: list(t.shape) for k, t in m.state_dict().items()}, files) for m in modules]
     if not stages and not stored[0]:  # the whole model: a strict load (which also resolves weights tied by storage)
         import_hf(src, modules[0])
         return
-    files = hf_weight_names(src)
     for module, renamed in zip(modules, stored):
         import_hf(src, module, strict=False)  # (with renamed tensors: pretrained_problems checked every name)
-        _load_stored(src, module, renamed)
+        _load_stored(src, module, renamed, files)
         for name, t in module.state_dict().items():
             if name not in files and (tied or {}).get(name) in files:
                 _copy_whole(src, tied[name], t)
@@ -401,8 +401,9 @@ class _Stored:
     stacked: bool
 
 
-def stored_names(src: str, held: dict[str, list[int]]) -> dict[str, _Stored]:
-    """The model tensors (``held``: FQN -> shape) that the HF directory ``src`` stores under other names, by the
+def stored_names(src: str, held: dict[str, list[int]], files: dict[str, list[int]]) -> dict[str, _Stored]:
+    """The model tensors (``held``: FQN -> shape) that the HF directory ``src`` (whose tensors are ``files``:
+    :func:`hf_weight_names`) stores under other names, by the
     installed ``transformers``' own checkpoint conversion rules for its ``model_type``: renames, and stacked experts
     (Mixtral's ``save_pretrained`` writes ``block_sparse_moe.experts.E.w1/w3/w2.weight``, one tensor per expert,
     for the model's ``mlp.experts.gate_up_proj [E, 2I, D]`` and ``down_proj [E, D, I]``). Tensors the directory
@@ -410,7 +411,6 @@ def stored_names(src: str, held: dict[str, list[int]]) -> dict[str, _Stored]:
     concatenating (their tensors are then reported by :func:`pretrained_problems`). No tensor data is read."""
     import re
 
-    files = hf_weight_names(src)
     if all(k in files for k in held):
         return {}
     try:
@@ -457,9 +457,10 @@ def _stored_shape(stored: _Stored, files: dict[str, list[int]]) -> list[int]:
     return [len(stored.parts[0]), sum(files[p[0]][0] for p in stored.parts), *first[1:]]
 
 
-def _load_stored(src: str, module: nn.Module, stored: dict[str, _Stored]) -> None:
-    """Fill ``module``'s tensors named in ``stored`` from the HF directory ``src``, each rank reading only the bytes
-    of the boxes it holds (a DTensor's local chunks; an expert parameter ``Shard(0)`` on ep: its experts' tensors)."""
+def _load_stored(src: str, module: nn.Module, stored: dict[str, _Stored], files: dict[str, list[int]]) -> None:
+    """Fill ``module``'s tensors named in ``stored`` from the HF directory ``src`` (whose tensors are ``files``),
+    each rank reading only the bytes of the boxes it holds (a DTensor's local chunks; an expert parameter
+    ``Shard(0)`` on ep: its experts' tensors)."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
@@ -467,7 +468,6 @@ def _load_stored(src: str, module: nn.Module, stored: dict[str, _Stored]) -> Non
 
     index = Path(src, INDEX_FILE)
     where = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
-    files = hf_weight_names(src)
     handles: dict[str, object] = {}
 
     def part(name: str):

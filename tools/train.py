@@ -114,8 +114,13 @@ def ep_trainer(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole_
     its share, loss / ep). With dp (or ZeRO 1/2, which add dp=1): ``DistributedDataParallel(data_dims=("ep",))``
     reduces the dense parameters' gradients over dp x ep and the experts' over dp, bucketed; ZeRO shards each over
     those ranks. ``--grad-accum`` and ``--activation-checkpointing`` as on any mesh (a checkpointed block re-runs its
-    token dispatch in backward); ``--dtype bf16`` is refused with ep for now (config.py says why). pp x ep:
-    ``ep_pipeline``."""
+    token dispatch in backward). ``--dtype bf16``: bf16 model and compute, DDP's fp32 gradient buffers and fp32
+    masters, as on any mesh. The dispatch combines a token's choices as the model's experts do (fp32 sum, one
+    rounding), so on CPU ranks the forward and the top-k routing are one device's and the gradients differ only by
+    the order of their fp32 accumulation (matrix cell dp2 x ep2 bf16). bf16 routing is sensitive to the last bit:
+    a token whose k-th and (k+1)-th experts nearly tie switches expert on any other rounding of its hidden state,
+    moving that layer's gradients by several percent (9 % when the combine rounded each choice to bf16 first; see
+    the experts section of ``packages/vescale-parallel/README.md``). pp x ep: ``ep_pipeline``."""
     from vescale.parallel import DistributedDataParallel, checkpoint_activations, parallelize_experts
     from vescale.pipe.timeline import span
     from vescale.plan import language_model_loss
@@ -172,63 +177,81 @@ def ep_pipeline(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole
     experts module's dispatch becomes one operator (``vescale.parallel.experts_as_operator``), which the captured
     stage graphs keep whole; each stage then keeps this ep rank's experts (``keep_local_experts``: plain
     ``[E / ep, ...]`` parameters; the stage is materialised whole first, then sliced). Each (dp, ep) rank pipelines
-    its own rows; after the step the dense gradients are averaged over dp x ep and the experts' divided by ep and
-    averaged over dp (``reduce_expert_parallel_grads``: one flat all-reduce per group, not bucketed in backward)."""
+    its own rows and backpropagates its share of the step's loss (its rows' mean / ep). Each stage is then in its
+    own ``DistributedDataParallel`` over dp with ``data_dims=("ep",)`` and the local experts named in
+    ``local_shards``: one bucketed reduction per group, started in the last microbatch's backward as for pp x dp
+    (``apply_dp_stages``): the dense gradients summed over ep and averaged over dp (dp x ep flattened), the experts'
+    (already summed over ep by the all-to-all) averaged over dp. ZeRO 1/2 shard each group over its own ranks
+    (``DistributedOptimizer``); ``--dtype bf16``: bf16 stages, fp32 buffers and masters, as for pp x dp."""
+    from vescale.parallel import DistributedDataParallel
     from vescale.parallel.clip_grad import mark_tied_copy
-    from vescale.parallel.experts import experts_as_operator, keep_local_experts, reduce_expert_parallel_grads
+    from vescale.parallel.expert_state import local_experts_state
+    from vescale.parallel.experts import experts_as_operator, keep_local_experts
+    from vescale.plan import language_model_loss
 
     ep_mesh = sub_mesh(mesh, "ep")
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    dp_group = sub_mesh(mesh, "dp").get_group() if dim_size(mesh, "dp") > 1 else None
-    log(cfg, f"ep={ep}: every MoE block of the pipeline stages dispatches its tokens over ep")
+    log(cfg, f"ep={ep}: every MoE block of the pipeline stages dispatches its tokens over ep; each stage in "
+        f"DistributedDataParallel over dp={dim_size(mesh, 'dp')} x ep (experts over dp), ZeRO stage {cfg.zero}, "
+        f"{cfg.dtype}")
     experts = experts_as_operator(model, mesh)
-    engine = apply_pp(model, mesh, cfg, device)
+    # each ep rank's loss is its share of the step's (the mean over its rows / ep): DDP sums the dense gradients over
+    # ep, and an expert's gradient, summed over ep by the dispatch's all-to-all, is then one device's
+    engine = apply_pp(model, mesh, cfg, device, loss_fn=lambda out, target: language_model_loss(out, target) / ep)
     held = list(engine.stages.values())
     if models.is_hf_dir(cfg.model):
         models.load_pretrained(cfg.model, held, stages=True, tied=models.tied_names(model))
+    ddps: list = []
 
     def local_experts(index: int, stage: nn.Module, late: list) -> nn.Module:
-        keep_local_experts(stage, experts, mesh)  # in place; the engine collects the stage's new parameters
-        return stage
+        replaced = keep_local_experts(stage, experts, mesh)  # in place; the engine collects the new parameters
+        ddps.append(DistributedDataParallel(
+            stage, mesh, zero_stage=2 if cfg.zero == 2 else 0, grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype]),
+            late_params=late, wait_in_backward=False, data_dims=("ep",),
+            local_shards={fqn: ("ep",) for fqn in replaced}))
+        return ddps[-1]
 
     engine.wrap_stages(local_experts)
-    held = list(engine.stages.values())
+    held = [ddp.module for ddp in ddps]
+    stage_ddp = ddps[0]  # apply_pp builds one stage per pp rank
     init_s = time.perf_counter() - t0
     expert_fqns = {fqn for info in experts for fqn in info.params}
-    named = [(n, p) for stage in held for n, p in stage.named_parameters() if p.requires_grad]
-    for p in engine.tied_copies():
+    for p in engine.tied_copies():  # (before DistributedOptimizer, which marks its shards of them)
         mark_tied_copy(p)
     pp_group = sub_mesh(mesh, "pp").get_group()
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = engine.step(inputs.chunk(ep)[rank], targets.chunk(ep)[rank]).detach().clone()
-        reduce_expert_parallel_grads(named, expert_fqns, ep_mesh.get_group(), dp_group)
-        dist.all_reduce(loss, group=ep_mesh.get_group())
-        return loss / ep
+        dist.all_reduce(loss, group=ep_mesh.get_group())  # the ranks' shares: the mean over this dp rank's rows
+        return loss
 
     def whole_grads() -> dict[str, torch.Tensor]:  # experts gathered over ep (the --grad-dump of one device)
-        out = grads_by_fqn(held)
+        out = grads_by_fqn(held, stage_ddp)
         for name in sorted(set(out) & expert_fqns):
             parts = [torch.empty_like(out[name]) for _ in range(ep)]
             dist.all_gather(parts, out[name].contiguous(), group=ep_mesh.get_group())
             out[name] = torch.cat(parts)
         return out
 
-    optimizer = build_optimizer(engine.parameters(), None, cfg, pp_group=pp_group)
+    optimizer = build_optimizer(engine.parameters(), stage_ddp, cfg, pp_group=pp_group)
     return Trainer(forward_backward, engine.parameters(), optimizer, {"model": held, "optim": optimizer},
                    num_params, init_s, whole_bytes if cfg.init == "eager" else state_bytes(held), grads=whole_grads,
-                   flops_per_token=flops)
+                   flops_per_token=flops,
+                   # checkpoints see each rank's experts as its rows of the global [E, ...] tensors (any mesh loads)
+                   ckpt_state=local_experts_state(held, optimizer, experts, mesh))
 
 
-def apply_pp(model: nn.Module, mesh, cfg: TrainConfig, device: torch.device):
-    """Split ``model`` into one stage per pp rank; build (tp-shard, compile) only this rank's; return the engine."""
+def apply_pp(model: nn.Module, mesh, cfg: TrainConfig, device: torch.device, loss_fn=None):
+    """Split ``model`` into one stage per pp rank; build (tp-shard, compile) only this rank's; return the engine.
+    ``loss_fn``: the last stage's loss (default ``language_model_loss``; ``ep_pipeline`` takes each ep rank's share)."""
     from vescale.plan import build_pipeline, language_model_loss
 
     pp, dp, tp, mb = dim_size(mesh, "pp"), dp_size(mesh), dim_size(mesh, "tp"), microbatches(cfg, mesh)  # (HSDP too)
     tp_mesh = sub_mesh(mesh, "tp") if tp > 1 else None
     log(cfg, f"pp={pp}: schedule {cfg.schedule}, {mb} microbatches" + (", stages tp-sharded" if tp > 1 else ""))
     return build_pipeline(
-        model, sub_mesh(mesh, "pp"), schedule=cfg.schedule, num_microbatches=mb, loss_fn=language_model_loss,
+        model, sub_mesh(mesh, "pp"), schedule=cfg.schedule, num_microbatches=mb,
+        loss_fn=language_model_loss if loss_fn is None else loss_fn,
         example_inputs=torch.zeros(cfg.batch_size // dp // dim_size(mesh, "ep") // mb, cfg.seq_len, dtype=torch.long,
                                    device=device),  # (with ep each ep rank runs its own rows: ep_pipeline)
         tp_mesh=tp_mesh, plan=models.tp_plan(cfg.model, tp_mesh, False, model) if tp_mesh is not None else None,
@@ -327,6 +350,13 @@ class Trainer:
     # this rank's dp-reduced gradients by parameter FQN (``grads_by_fqn``); a collective over dp with ZeRO-2
     grads: Callable[[], dict[str, torch.Tensor]] | None = None
     flops_per_token: int = 0  # model FLOPs of one token's forward and backward (``models.flops_per_token``)
+    # what a checkpoint saves and loads when it is not ``state`` itself: pp x ep's stages and optimizer with each
+    # rank's plain [E / ep, ...] experts shown as rows of the global tensors (``vescale.parallel.expert_state``)
+    ckpt_state: dict | None = None
+
+    def checkpointed(self) -> dict:
+        """The state a checkpoint saves and loads: ``ckpt_state``, or ``state``."""
+        return self.state if self.ckpt_state is None else self.ckpt_state
 
 
 def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
@@ -347,7 +377,7 @@ def build_trainer(cfg: TrainConfig, mesh) -> Trainer:
     # graph hard-codes its dtypes) and apply_zero3_stages widens their parameters back to fp32 masters
     if cfg.dtype != "fp32" and (cfg.zero != 3 or dim_size(mesh, "pp") > 1):
         cast_model(model, cfg)
-    if dim_size(mesh, "pp") > 1 and dim_size(mesh, "ep") > 1:  # (config.py: pp x [dp x] ep, fp32, ZeRO 0)
+    if dim_size(mesh, "pp") > 1 and dim_size(mesh, "ep") > 1:  # (config.py: pp x [dp x] ep, ZeRO 0-2)
         return ep_pipeline(cfg, mesh, model, num_params, whole_bytes, flops, t0, device)
     if dim_size(mesh, "pp") > 1:
         cp_positions = None
@@ -476,9 +506,12 @@ def apply_zero3(model: nn.Module, mesh, cfg: TrainConfig) -> nn.Module:
 
 def mesh_dims(cfg: TrainConfig) -> dict[str, int]:
     """The mesh ``train`` builds: ``--mesh``, plus ``dp=1`` for a bf16 or ZeRO 1/2 run without data parallelism,
-    whose master weights (optimizer state) live in ``DistributedOptimizer`` over a DDP of one rank."""
+    whose master weights (optimizer state) live in ``DistributedOptimizer`` over a DDP of one rank, and for pp x ep,
+    whose stage DDP reduces over dp x ep (``ep_pipeline``)."""
     dims = dict(cfg.dims)
-    if (cfg.dtype != "fp32" or cfg.zero) and cfg.zero != 3 and dp_dims(dims) == 1 and "dp" not in dims:
+    pp_ep = dims.get("pp", 1) > 1 and dims.get("ep", 1) > 1
+    if ((cfg.dtype != "fp32" or cfg.zero or pp_ep) and cfg.zero != 3 and dp_dims(dims) == 1
+            and "dp" not in dims):
         dims["dp"] = 1
     return dims
 
@@ -569,7 +602,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     start, offset = 0, 0  # offset: data position (sequences) minus step x batch size, from a resumed checkpoint
     if cfg.resume:
         progress = {"step": 0, "sequences": 0, "data": ""}
-        checkpoint.load(cfg.resume, {**trainer.state, "progress": progress})
+        checkpoint.load(cfg.resume, {**trainer.checkpointed(), "progress": progress})
         start = int(progress["step"])
         offset, note = resume_offset(progress, corpus, cfg.batch_size)
         if note:
@@ -611,7 +644,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
             if pending_save is not None:
                 pending_save.wait()
             pending_save = checkpoint.save(out / "ckpt" / f"step_{step + 1}",
-                                           {**trainer.state, "progress": {
+                                           {**trainer.checkpointed(), "progress": {
                                                "step": step + 1, "data": corpus.fingerprint,
                                                "sequences": offset + (step + 1) * cfg.batch_size}},
                                            async_save=True)
@@ -663,7 +696,7 @@ def export_hf(cfg: TrainConfig, trainer: Trainer, out: Path) -> None:
     from vescale import checkpoint
 
     tmp = out / "export-hf-ckpt"
-    checkpoint.save(tmp, {"model": trainer.state["model"]})
+    checkpoint.save(tmp, {"model": trainer.checkpointed()["model"]})
     if dist.get_rank() == 0:
         tokenizer = getattr(cfg, "tokenizer", None) or (cfg.model if models.has_tokenizer(cfg.model) else None)
         models.export_pretrained(str(tmp), cfg.export_hf, cfg.model, tokenizer)

@@ -16,7 +16,9 @@ together (``*_cpu_s``: what a call costs even when other jobs on a shared machin
 ``--before`` also times vescale's loads with the mapped read path off (``VESCALE_CHECKPOINT_MMAP=0``: checks read
 the chunks, then the fill reads them again). The floors, from the same run: a load copies each byte the ranks
 hold at least once (``floor_load_s``: those bytes at the measured all-ranks memcpy rate, on buffers larger than
-the caches); a save writes the state's bytes at dd's 4-stream ``O_DIRECT`` rate (``floor_save_s``).
+the caches; ``floor_load_cpu_s``: the CPU seconds of all ranks that copy costs, measured the same way, to set
+against the ``*_cpu_s`` figures); a save writes the state's bytes at dd's 4-stream ``O_DIRECT`` rate
+(``floor_save_s``).
 
 **Model state** (``--model-state``). 4 ranks on a dp x tp = 2 x 2 mesh hold a stack of square linears (TP:
 colwise/rowwise, replicated over dp) with AdamW state; ``--size-mb`` is the unique state (parameters + exp_avg +
@@ -411,6 +413,27 @@ def _memcpy(nbytes: int, repeat: int) -> float:
     return dist.get_world_size() * src.nbytes / t / 1e9
 
 
+def _memcpy_cpu(nbytes: int, repeat: int) -> float:
+    """CPU seconds per GB copied, all ranks together, while every rank copies ``nbytes`` at once (median of
+    ``repeat``): the CPU floor of a load from the page cache, which copies each needed byte at least once. Unlike
+    the wall-clock rate, other jobs on a shared machine stretch it little (a copy's stalls count; its waits do not)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    src = torch.ones(max(nbytes, 256 << 20) // 4)  # out of every cache, as the state is
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    samples = []
+    for _ in range(repeat):
+        dist.barrier()
+        c0 = time.process_time()
+        dst.copy_(src)
+        samples.append(_sum_all(time.process_time() - c0) / (dist.get_world_size() * src.nbytes / 1e9))
+    return statistics.median(samples)
+
+
 def _sum_all(x: float) -> float:
     import torch
     import torch.distributed as dist
@@ -487,6 +510,7 @@ def _matrix_save(root: str, layouts: list[str], count: int, shape: tuple[int, in
         out[layout] = row
         state = dstate = None  # free this row's tensors before the next row's
     out["memcpy_4_ranks_GBps"] = _memcpy(count * shape[0] * shape[1] * 4 // 4, max(repeat, 3))
+    out["memcpy_4_ranks_cpu_s_per_GB"] = _memcpy_cpu(count * shape[0] * shape[1] * 4 // 4, max(repeat, 3))
     return out
 
 
@@ -539,6 +563,7 @@ def _matrix_reshard(root: str, layouts: list[str], count: int, shape: tuple[int,
         out[layout]["local_bytes_all_ranks"] = _sum_all(_local_bytes(state))
         state = None  # free this row's tensors before the next row's
     out["memcpy_2_ranks_GBps"] = _memcpy(count * shape[0] * shape[1] * 4 // 2, max(repeat, 3))
+    out["memcpy_2_ranks_cpu_s_per_GB"] = _memcpy_cpu(count * shape[0] * shape[1] * 4 // 2, max(repeat, 3))
     return out
 
 
@@ -563,7 +588,9 @@ def matrix(args) -> dict:
     out = {"bench": "checkpoint_matrix", "state_GB": round(state_bytes / 1e9, 3), "tensors": count,
            "shape": list(shape), "repeat": repeat, "mesh": "dp=2,tp=2 (zero_ragged: dp=4); reshard: 2 ranks",
            "memcpy_4_ranks_GBps": round(same.pop("memcpy_4_ranks_GBps"), 2),
-           "memcpy_2_ranks_GBps": round(other.pop("memcpy_2_ranks_GBps"), 2), **dd, "rows": {}}
+           "memcpy_2_ranks_GBps": round(other.pop("memcpy_2_ranks_GBps"), 2),
+           "memcpy_4_ranks_cpu_s_per_GB": round(same.pop("memcpy_4_ranks_cpu_s_per_GB"), 4),
+           "memcpy_2_ranks_cpu_s_per_GB": round(other.pop("memcpy_2_ranks_cpu_s_per_GB"), 4), **dd, "rows": {}}
     for layout in layouts:
         r = {**same[layout], **{k: v for k, v in other[layout].items() if k != "local_bytes_all_ranks"}}
         row = {"layout": LAYOUTS[layout], **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}
@@ -576,6 +603,10 @@ def matrix(args) -> dict:
         row["floor_load_s"] = round(r["local_bytes_all_ranks"] / 1e9 / out["memcpy_4_ranks_GBps"], 4)
         row["floor_load_reshard_s"] = round(other[layout]["local_bytes_all_ranks"] / 1e9
                                             / out["memcpy_2_ranks_GBps"], 4)
+        # the same in CPU seconds of all ranks (to compare with the *_cpu_s figures): one copy of every byte held
+        row["floor_load_cpu_s"] = round(r["local_bytes_all_ranks"] / 1e9 * out["memcpy_4_ranks_cpu_s_per_GB"], 4)
+        row["floor_load_reshard_cpu_s"] = round(other[layout]["local_bytes_all_ranks"] / 1e9
+                                                * out["memcpy_2_ranks_cpu_s_per_GB"], 4)
         if dd.get("dd_write_4x_GBps"):
             row["floor_save_s"] = round(state_bytes / 1e9 / dd["dd_write_4x_GBps"], 4)
         out["rows"][layout] = row

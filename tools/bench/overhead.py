@@ -1,6 +1,7 @@
 """Eager per-op overhead of a tensor-parallel step: vescale against torch's TP and a hand-written Megatron floor.
 
     python tools/bench/overhead.py [--small] [--sizes dispatch middle compute] [--steps N] [--profile]
+                                   [--modes vescale vescale_dtensor torch floor] [--kinds train decode]
 
 One model, an unmodified Hugging Face ``LlamaForCausalLM``, at three sizes (``dispatch``: every op is tiny, the step
 is bound by per-op CPU work, like a GPU step of a small model; ``middle``; ``compute``: ~30M parameters, bound by the
@@ -187,7 +188,8 @@ class _ProfiledTimer(_Timer):
             self.prof.start()
 
 
-def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: list[str]) -> dict:
+def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: list[str],
+               kinds: tuple = ("train", "decode")) -> dict:
     import contextlib
     import copy
 
@@ -247,14 +249,15 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
     if "vescale" in models:
         result["vescale_fast_blocks"] = sum(isinstance(m.forward, FastBlock) for m in models["vescale"].modules())
     for k, m in models.items():
-        train(m, k)  # warm-up (and DTensor's caches)
+        if "train" in kinds:
+            train(m, k)  # warm-up (and DTensor's caches)
         m.eval()
         decode(m, k)
         m.train()
     times: dict[str, list] = {k: [] for k in models}
     cpu: dict[str, list] = {k: [] for k in models}
     losses: dict[str, float] = {}
-    for _ in range(steps):
+    for _ in range(steps if "train" in kinds else 0):
         for k, m in models.items():
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -266,15 +269,18 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
     tokens: dict[str, list] = {}
     for m in models.values():
         m.eval()
-    for _ in range(max(2, steps // 3)):
+    # decode-only runs (--kinds decode) take ``steps`` generate() calls per mode, with training a third of that
+    for _ in range(0 if "decode" not in kinds else max(2, steps // 3) if "train" in kinds else steps):
         for k, m in models.items():
             dist.barrier()
             s, c, tokens[k] = decode(m, k)
             dec[k].append(s)
             dec_cpu[k].append(c)
-    med = torch.tensor([statistics.median(times[k]) for k in models] + [statistics.median(dec[k]) for k in models]
-                       + [statistics.median(cpu[k]) for k in models]
-                       + [statistics.median(dec_cpu[k]) for k in models], dtype=torch.float64)
+    def median(v: list) -> float:
+        return statistics.median(v) if v else float("nan")  # a kind not run (--kinds)
+
+    med = torch.tensor([median(times[k]) for k in models] + [median(dec[k]) for k in models]
+                       + [median(cpu[k]) for k in models] + [median(dec_cpu[k]) for k in models], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     n = len(models)
     train_s = dict(zip(models, med[:n].tolist()))
@@ -282,27 +288,29 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
     cpu_s = dict(zip(models, med[2 * n:3 * n].tolist()))
     decode_cpu_s = dict(zip(models, med[3 * n:].tolist()))
     result["load_average_1min"] = os.getloadavg()[0]
-    result["train_step_ms"] = {k: round(v * 1e3, 2) for k, v in train_s.items()}
-    # CPU seconds of the rank process per train step (all its threads): less sensitive to a loaded machine than wall
-    # time, whose collectives wait for the slower rank
-    result["train_step_cpu_ms"] = {k: round(v * 1e3, 2) for k, v in cpu_s.items()}
-    result["decode_step_ms"] = {k: round(v * 1e3, 3) for k, v in decode_s.items()}
-    result["decode_step_cpu_ms"] = {k: round(v * 1e3, 3) for k, v in decode_cpu_s.items()}
+    if "train" in kinds:
+        result["train_step_ms"] = {k: round(v * 1e3, 2) for k, v in train_s.items()}
+        # CPU seconds of the rank process per train step (all its threads): less sensitive to a loaded machine than
+        # wall time, whose collectives wait for the slower rank
+        result["train_step_cpu_ms"] = {k: round(v * 1e3, 2) for k, v in cpu_s.items()}
+    if "decode" in kinds:
+        result["decode_step_ms"] = {k: round(v * 1e3, 3) for k, v in decode_s.items()}
+        result["decode_step_cpu_ms"] = {k: round(v * 1e3, 3) for k, v in decode_cpu_s.items()}
     ratios = {}
-    for k in models:
-        if k != "floor" and "floor" in models:
-            ratios[f"train_{k}_over_floor"] = round(train_s[k] / train_s["floor"], 3)
-            ratios[f"decode_{k}_over_floor"] = round(decode_s[k] / decode_s["floor"], 3)
-            ratios[f"train_cpu_{k}_over_floor"] = round(cpu_s[k] / cpu_s["floor"], 3)
-            ratios[f"decode_cpu_{k}_over_floor"] = round(decode_cpu_s[k] / decode_cpu_s["floor"], 3)
-    for k in ("vescale", "vescale_dtensor"):
-        if k in models and "torch" in models:
-            ratios[f"train_{k}_over_torch"] = round(train_s[k] / train_s["torch"], 3)
-            ratios[f"decode_{k}_over_torch"] = round(decode_s[k] / decode_s["torch"], 3)
+    pairs = [(kind, k, base) for kind in kinds for k in models for base in ("floor", "torch")
+             if base in models and k != base and (base == "floor" or k in ("vescale", "vescale_dtensor"))]
+    for kind, k, base in pairs:
+        wall, proc = (train_s, cpu_s) if kind == "train" else (decode_s, decode_cpu_s)
+        ratios[f"{kind}_{k}_over_{base}"] = round(wall[k] / wall[base], 3)
+        if base == "floor":
+            ratios[f"{kind}_cpu_{k}_over_floor"] = round(proc[k] / proc["floor"], 3)
     result["ratios"] = ratios
     first = next(iter(models))
-    result["agree"] = {"max_loss_diff": max(abs(v - losses[first]) for v in losses.values()),
-                       "same_tokens": all(t == tokens[first] for t in tokens.values())}
+    result["agree"] = {}
+    if losses:
+        result["agree"]["max_loss_diff"] = max(abs(v - losses[first]) for v in losses.values())
+    if tokens:
+        result["agree"]["same_tokens"] = all(t == tokens[first] for t in tokens.values())
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -310,12 +318,15 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
         result["profile_top_self_cpu"] = {}
         result["profile_decode_top_self_cpu"] = {}
         for k, m in models.items():
-            m.train()
-            dist.barrier()
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(2):
-                    train(m, k)
-            result["profile_top_self_cpu"][k] = _top_entries(prof, 2, 8)
+            if "train" in kinds:
+                m.train()
+                dist.barrier()
+                with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(2):
+                        train(m, k)
+                result["profile_top_self_cpu"][k] = _top_entries(prof, 2, 8)
+            if "decode" not in kinds:
+                continue
             # decode: the profiler runs from the first new token to the last (prefill excluded), via the streamer
             m.eval()
             dist.barrier()
@@ -341,12 +352,15 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="add the profiler's top entries per mode")
+    parser.add_argument("--kinds", nargs="+", default=["train", "decode"], choices=["train", "decode"],
+                        help="which steps to time (decode alone: --steps generate() calls per mode)")
     args = parser.parse_args()
     sizes = ["dispatch"] if args.small else args.sizes
     results = []
     for size in sizes:
         steps = args.steps or (3 if args.small else 15 if size == "dispatch" else 9 if size == "middle" else 5)
-        results.append(spawn(_rank_main, args.tp, size, steps, args.decode_tokens, args.profile, args.modes))
+        results.append(spawn(_rank_main, args.tp, size, steps, args.decode_tokens, args.profile, args.modes,
+                             tuple(args.kinds)))
     print(json.dumps({"benchmark": "overhead", "tp": args.tp, "results": results}, indent=1))
 
 

@@ -148,3 +148,56 @@ def test_a_save_that_cannot_create_its_directory_on_one_rank_fails_everywhere(tm
     fresh = _build(seed=1)
     checkpoint.load(path, fresh)
     assert _same(_snapshot(fresh), _snapshot(state))
+
+
+@multi_rank(world_sizes=[2])
+def test_a_damaged_byte_in_the_last_chunk_of_a_large_shard_changes_nothing(tmp_path):
+    """Shards of several checksum chunks on the mapped same-layout path: one flipped byte in the last chunk of
+    rank 1's row shard (checked by rank 1 alone), or in the last chunk of a replicated tensor (both ranks read it,
+    its chunks checked by one or the other), fails the load on both ranks with every target bitwise unchanged."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from vescale.checkpoint.format import CHUNK_BYTES
+    from vescale.core.mesh import init_mesh
+
+    rank = dist.get_rank()
+    mesh = init_mesh({"tp": 2})
+    cols = CHUNK_BYTES // 4  # one row of fp32 is one chunk: each shard below spans 3 chunks
+    gen = torch.Generator().manual_seed(0)
+    saved = {"rows": torch.randn(6, cols, generator=gen), "rep": torch.randn(3, cols, generator=gen)}
+    placements = {"rows": [Shard(0)], "rep": [Replicate()]}
+    path = os.path.join(tmp_path, "ckpt")
+    checkpoint.save(path, {k: distribute_tensor(v, mesh, placements[k], src_data_rank=None) for k, v in saved.items()})
+    with open(os.path.join(path, "metadata.json")) as f:
+        meta = json.load(f)
+    rows = [s for s in meta["tensors"]["rows"]["shards"] if s["offsets"] == [3, 0]]
+    (rep,) = meta["tensors"]["rep"]["shards"]
+    for key, shard in (("rows", rows[0]), ("rep", rep)):
+        assert len(shard["crc32"]) == 3 and shard["codec"] == "raw", shard
+        state = {k: distribute_tensor(torch.full(v.shape, -1.0), mesh, placements[k], src_data_rank=None)
+                 for k, v in saved.items()}
+        before = {k: v.to_local().clone() for k, v in state.items()}
+        at = shard["end"] - 5  # in the last chunk, near the shard's end
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(path, shard["file"]), "r+b") as f:
+                f.seek(at)
+                good = f.read(1)
+                f.seek(at)
+                f.write(bytes([good[0] ^ 0x01]))
+        dist.barrier()
+        with pytest.raises(CorruptCheckpointError, match=rf"{shard['file']} is damaged.*tensor '{key}'"):
+            checkpoint.load(path, state)
+        for k, v in state.items():
+            assert torch.equal(v.to_local(), before[k]), (rank, key, k)
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(path, shard["file"]), "r+b") as f:
+                f.seek(at)
+                f.write(good)
+        dist.barrier()
+        checkpoint.load(path, state)  # repaired: the saved values, each rank's own rows
+        mine = {"rows": saved["rows"][3 * rank:3 * rank + 3], "rep": saved["rep"]}
+        for k, v in state.items():
+            assert torch.equal(v.to_local(), mine[k]), (rank, key, k)

@@ -142,3 +142,32 @@ def test_decorated_body_takes_pytest_params(scale):
     t = torch.tensor([float(scale)])
     dist.all_reduce(t)
     assert t.item() == 2 * scale
+
+
+def _parent_and_loaded(modules):
+    import sys
+
+    return os.getppid(), [m for m in modules if m in sys.modules]
+
+
+def test_pooled_ranks_are_forked_from_a_server_that_preloaded_torch():
+    from vescale.core import testing
+
+    assert testing.START_METHOD == "forkserver"  # the default, unless VESCALE_TEST_START_METHOD says otherwise
+    for parent, loaded in run_on_ranks(_parent_and_loaded, 2, testing.PRELOAD):
+        assert parent != os.getpid(), "a pooled rank is a child of the test process: spawned, not forked"
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            server = f.read().decode()
+        assert "multiprocessing.forkserver" in server, server
+        # multiprocessing hands the server its preload list on its command line
+        assert all(repr(m) in server for m in testing.PRELOAD), f"the fork server did not preload {testing.PRELOAD}"
+        assert loaded == list(testing.PRELOAD)
+
+
+def test_worker_group_refuses_an_unknown_start_method_or_preload_without_the_fork_server():
+    from vescale.core._workers import WorkerGroup
+
+    with pytest.raises(ValueError, match="start_method must be 'spawn' or 'forkserver', got 'fork'"):
+        WorkerGroup(2, start_method="fork")
+    with pytest.raises(ValueError, match=r"preload \('torch',\) needs start_method='forkserver', got 'spawn'"):
+        WorkerGroup(2, preload=("torch",))

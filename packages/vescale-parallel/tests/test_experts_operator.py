@@ -2,11 +2,13 @@
 
 A tiny unmodified Hugging Face Mixtral (fp32, eager experts, no load-balancing term: with plain per-rank tensors the
 router sees only its rank's rows) on ep=2: each rank keeps its two of the four experts as plain tensors
-(``keep_local_experts``) and runs the model on its own rows; after ``reduce_expert_parallel_grads`` the mean of the
-ranks' losses, every dense gradient and each rank's slice of every expert gradient equal the untouched model's on the
-whole batch in this process (rtol 1e-5). ``torch.export`` of the model keeps each MoE block's dispatch as one
-``vescale::ep_experts`` node (what lets ``vescale.pipe.split`` cut stages through it; the pp x ep run against one
-device is the matrix cell in ``integration_tests/test_train_matrix.py``).
+(``keep_local_experts``) and runs the model on its own rows, backpropagating its share of the loss (its rows' mean /
+ep) through ``DistributedDataParallel(data_dims=("ep",), local_shards=...)`` over dp=1 x ep=2; the mean of the ranks'
+losses, every dense gradient (summed over ep by DDP) and each rank's slice of every expert gradient (summed over ep
+by the all-to-all) equal the untouched model's on the whole batch in this process (rtol 1e-5). ``torch.export``
+of the model keeps each MoE block's dispatch as one ``vescale::ep_experts`` node (what lets ``vescale.pipe.split``
+cut stages through it; the pp x ep run against one device is the matrix cell in
+``integration_tests/test_train_matrix.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def test_operator_dispatch_matches_single_device_and_exports_as_one_node():
     import torch
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel.experts import experts_as_operator, keep_local_experts, reduce_expert_parallel_grads
+    from vescale.parallel import DistributedDataParallel
+    from vescale.parallel.experts import experts_as_operator, keep_local_experts
 
-    mesh = init_mesh({"ep": 2})
+    mesh = init_mesh({"dp": 1, "ep": 2})
     rank = mesh.get_local_rank("ep")
     ref = _build()
     par = copy.deepcopy(ref)
@@ -47,10 +50,10 @@ def test_operator_dispatch_matches_single_device_and_exports_as_one_node():
 
     replaced = keep_local_experts(par, experts, mesh)
     assert sorted(replaced) == sorted(f for info in experts for f in info.params) and len(replaced) == 2 * LAYERS
-    loss = par(input_ids=tokens.chunk(2)[rank], labels=labels.chunk(2)[rank]).loss
-    loss.backward()
+    ddp = DistributedDataParallel(par, mesh, data_dims=("ep",), local_shards={fqn: ("ep",) for fqn in replaced})
+    loss = ddp(input_ids=tokens.chunk(2)[rank], labels=labels.chunk(2)[rank]).loss
+    (loss / 2).backward()  # this rank's share; DDP reduces in backward (.grad: its fp32 buffer)
     named = list(par.named_parameters())
-    reduce_expert_parallel_grads(named, replaced, mesh.get_group("ep"))
 
     total = loss.detach().clone()
     torch.distributed.all_reduce(total, group=mesh.get_group("ep"))

@@ -181,3 +181,69 @@ def test_fast_model_stands_aside_where_it_cannot_show_equal():
     tied = tf.LlamaForCausalLM(_config(tie_word_embeddings=True))
     par = parallelize_module(tied, mesh, llama_plan(mesh))
     assert not isinstance(par.forward, FastModel) and isinstance(par.model.layers[0].forward, FastLayer)
+
+
+@multi_rank(world_sizes=[2])
+def test_fast_model_decode_cache_and_logits_as_dtensor_path():
+    """Decode steps on the fast path (the grown KV cache wrapped below autograd, the logits gathered in one collective)
+    against the DTensor path and one device: the cache's DTensors have the same values, placements and
+    ``requires_grad``, under ``torch.no_grad`` and in grad mode; under ``loss_parallel`` the logits stay
+    vocab-sharded (nothing gathered), without gradient under ``torch.no_grad``."""
+    import copy
+
+    import torch
+    import transformers as tf
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import llama_plan, parallelize_module
+    from vescale.parallel.local import fast_path
+
+    mesh = init_mesh({"tp": 2})
+    torch.manual_seed(0)
+    ref = tf.LlamaForCausalLM(_config()).eval()
+    fast = parallelize_module(copy.deepcopy(ref), mesh, llama_plan(mesh))
+    slow = parallelize_module(copy.deepcopy(ref), mesh, llama_plan(mesh))
+    assert fast.forward.gathered_placements == (Replicate(),)  # the root's entry wants full logits: gathered here
+    tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+
+    def decode(model):  # a prompt, then two decode steps from its cache (the second grows a grown cache)
+        out = model(input_ids=tokens[:, :5], use_cache=True)
+        model(input_ids=tokens[:, 5:6], cache=out.cache)
+        return out.cache, model(input_ids=tokens[:, 6:7], cache=out.cache).logits
+
+    with torch.no_grad():
+        ref_cache, ref_logits = decode(ref)
+    for grad in (False, True):
+        calls = fast.forward.local_calls
+        with torch.set_grad_enabled(grad):
+            cache, logits = decode(fast)
+            with fast_path(False):
+                slow_cache, slow_logits = decode(slow)
+        assert fast.forward.local_calls == calls + 3 and slow.forward.local_calls == 0
+        assert type(logits) is torch.Tensor and logits.requires_grad == grad and logits.shape == (2, 1, 64)
+        assert torch.equal(logits, slow_logits)
+        torch.testing.assert_close(logits.detach(), ref_logits, rtol=RTOL, atol=ATOL)
+        for i, (layer, slow_layer) in enumerate(zip(cache.layers, slow_cache.layers)):
+            for name in ("keys", "values"):
+                got, want = getattr(layer, name), getattr(slow_layer, name)
+                where = f"grad={grad} layer {i} {name}"
+                assert isinstance(got, DTensor) and tuple(got.placements) == (Shard(1),) == tuple(want.placements), \
+                    (where, type(got), getattr(got, "placements", None))
+                assert got.shape == want.shape == (2, 4, 7, 4) and got.stride() == want.stride(), where
+                assert got.requires_grad == want.requires_grad == grad, (where, got.requires_grad, want.requires_grad)
+                assert got.to_local().shape == (2, 2, 7, 4), where
+                assert torch.equal(got.full_tensor().detach(), want.full_tensor().detach()), where
+                torch.testing.assert_close(got.full_tensor().detach(), getattr(ref_cache.layers[i], name),
+                                           rtol=RTOL, atol=ATOL, msg=lambda m, where=where: f"{where}: {m}")
+
+    # loss_parallel: the root keeps the logits vocab-sharded, so the fast model gathers nothing
+    sharded = parallelize_module(copy.deepcopy(ref), mesh, llama_plan(mesh, loss_parallel=True))
+    assert sharded.forward.gathered_placements is None
+    with torch.no_grad():
+        logits = sharded(input_ids=tokens, use_cache=False).logits
+        ref_full = ref(input_ids=tokens, use_cache=False).logits
+    assert sharded.forward.local_calls == 1
+    assert isinstance(logits, DTensor) and tuple(logits.placements) in {(Shard(2),), (Shard(-1),)} \
+        and not logits.requires_grad and logits.to_local().shape == (2, 7, 32)
+    torch.testing.assert_close(logits.full_tensor(), ref_full, rtol=RTOL, atol=ATOL)

@@ -19,7 +19,7 @@ from vescale.dtensor.errors import PlacementError
 from vescale.dtensor.layout import contiguous_stride, local_shape, local_slice, validate_placements
 from vescale.dtensor.placements import RaggedShard
 
-__all__ = ["from_local", "distribute_tensor", "redistribute", "full_tensor", "mesh_group"]
+__all__ = ["from_local", "from_local_nograd", "distribute_tensor", "redistribute", "full_tensor", "mesh_group"]
 
 
 def mesh_group(mesh: DeviceMesh):
@@ -84,6 +84,39 @@ def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None
         stride = tuple(stride) if stride is not None else contiguous_stride(shape)
     return DTensor.from_local(local_tensor, mesh, placements, run_check=run_check, shape=shape, stride=stride,
                               grad_placements=grad_placements)
+
+
+#: DTensorSpecs of :func:`from_local_nograd`, by (mesh, placements, local shape, local stride, dtype); emptied when
+#: it reaches :data:`_NOGRAD_SPECS_MAX` entries (a growing KV cache brings a new shape every step).
+_NOGRAD_SPECS: dict = {}
+_NOGRAD_SPECS_MAX = 256
+
+
+def from_local_nograd(local_tensor: torch.Tensor, device_mesh: DeviceMesh, placements: tuple) -> DTensor:
+    """What ``DTensor.from_local(local_tensor, device_mesh, placements, run_check=False)`` returns (same global shape,
+    stride, placements and values; no gradient), for a ``local_tensor`` that takes no gradient, built without the
+    autograd function: the DTensor holds ``local_tensor`` itself (not a view of it), and its spec is the one
+    ``from_local`` made for the same mesh, ``placements`` (a tuple), local shape, stride and dtype, reused.
+
+    For per-step wrapping on hot paths (a decode step's grown KV cache, a model's integer inputs). Raises
+    ``ValueError`` if ``local_tensor`` requires grad (use :func:`from_local`). Under ``torch.compile`` it is
+    ``from_local``. Even shards only (``from_local`` without ``shape``)."""
+    if local_tensor.requires_grad:
+        raise ValueError(f"from_local_nograd: the local tensor (shape {tuple(local_tensor.shape)}) requires grad; "
+                         f"use from_local, whose autograd function carries its gradient")
+    if torch.compiler.is_compiling():
+        return DTensor.from_local(local_tensor, device_mesh, placements, run_check=False)
+    key = (device_mesh, placements, local_tensor.shape, local_tensor.stride(), local_tensor.dtype)
+    spec = _NOGRAD_SPECS.get(key)
+    if spec is None:
+        _torch_hooks.install()
+        made = DTensor.from_local(local_tensor, device_mesh, placements, run_check=False)
+        if device_mesh.get_coordinate() is None:
+            return made  # this rank is outside the mesh: from_local holds an empty local tensor
+        if len(_NOGRAD_SPECS) >= _NOGRAD_SPECS_MAX:
+            _NOGRAD_SPECS.clear()
+        _NOGRAD_SPECS[key] = spec = torch_internals.dtensor_spec(made)
+    return DTensor(local_tensor, spec, requires_grad=False)
 
 
 def _check_local_shapes(local_tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],

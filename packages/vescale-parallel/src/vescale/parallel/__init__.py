@@ -39,7 +39,6 @@ from vescale.parallel.experts import (  # expert parallelism
     find_experts,
     keep_local_experts,
     parallelize_experts,
-    reduce_expert_parallel_grads,
 )
 from vescale.parallel.kv_replicas import replicate_kv_heads  # part 1: TP/SP (GQA, kv heads < tp)
 from vescale.parallel.loss import loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
@@ -63,5 +62,5 @@ __all__ += ["compile_parallel", "compile_forward", "compiled_blocks", "block_gra
             "CompileError"]  # compile mode
 __all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpointError"]  # activation checkpointing
 __all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "experts_as_operator",
-            "keep_local_experts", "reduce_expert_parallel_grads", "ExpertParallelError"]  # expert parallelism
+            "keep_local_experts", "ExpertParallelError"]  # expert parallelism
 __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism

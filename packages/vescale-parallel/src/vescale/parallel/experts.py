@@ -59,7 +59,7 @@ from vescale.core.torch_internals import set_own_parameters
 from vescale.parallel.errors import ExpertParallelError
 
 __all__ = ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "ExpertsInfo",
-           "ExpertParallelError", "experts_as_operator", "keep_local_experts", "reduce_expert_parallel_grads"]
+           "ExpertParallelError", "experts_as_operator", "keep_local_experts"]
 
 
 
@@ -312,8 +312,13 @@ def _ep_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
         y = y + p.reshape(-1)[:0].sum()
     back = _AllToAll.apply(y, send_splits, recv_splits, group)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1)
-    out = torch.zeros_like(hidden_states)
-    return out.index_add(0, token, (back * weights).to(out.dtype))
+    # Combine in the weighted outputs' precision (bf16 outputs x fp32 router weights: fp32) and round once, as Hugging
+    # Face's grouped experts sum a token's choices; a bf16 index_add would round each choice and then their sum, a
+    # one-ulp difference per token that, fed to the next router, flips near-tied top-k choices (measured with bf16
+    # Mixtral on dp2 x ep2: one token switched in the last layer, whose gradients were up to 9% off one device's).
+    weighted = back * weights
+    out = torch.zeros(hidden_states.shape, dtype=weighted.dtype, device=hidden_states.device)
+    return out.index_add(0, token, weighted).to(hidden_states.dtype)
 
 
 #: Experts modules whose forward dispatches over ep (a second parallelize_experts is refused).
@@ -439,8 +444,10 @@ def experts_as_operator(model: nn.Module, mesh, *, ep: str = "ep",
     ``capacity_factor`` as there). Its backward re-runs the dispatch (three forward all-to-alls and the local expert
     FFN) and backpropagates through it (two all-to-alls): the forward's intermediate tensors have data-dependent sizes
     an operator cannot return through the capture. An expert's gradient is then the sum over every ep rank's loss of
-    the tokens it took; dense parameters' gradients are each rank's own (sum them over ep, see
-    :func:`reduce_expert_parallel_grads`).
+    the tokens it took; dense parameters' gradients are each rank's own. With each rank backpropagating its share
+    of the loss (its rows' mean / ep), ``DistributedDataParallel(module, mesh, data_dims=(ep,),
+    local_shards={fqn: (ep,) for fqn in keep_local_experts(...)})`` makes both one device's: the dense gradients
+    summed over ep (and averaged over dp), the experts' averaged over dp only.
 
     Raises :class:`ExpertParallelError` (before any collective) as :func:`parallelize_experts` does.
     """
@@ -491,35 +498,6 @@ def keep_local_experts(module: nn.Module, experts: list[ExpertsInfo], mesh, *, e
             module.get_submodule(owner_fqn).register_parameter(leaf, local)
             done.append(fqn)
     return done
-
-
-def reduce_expert_parallel_grads(params: list[tuple[str, nn.Parameter]], expert_fqns, ep_group, dp_group=None,
-                                 ) -> None:
-    """Average the gradients of plain-tensor expert parallelism (:func:`keep_local_experts`) into one device's.
-
-    Each of the ``ep x dp`` ranks backpropagated the mean loss of its own rows; so a dense parameter's gradient is
-    averaged over ep (and dp), and an expert's (already summed over ep by the all-to-all) divided by ep and averaged
-    over dp. ``params``: ``(fqn, parameter)`` pairs; those named in ``expert_fqns`` are experts. One coalesced
-    all-reduce per group and dtype; every rank of the groups must call it with the same parameters in order.
-    """
-    ep = dist.get_world_size(ep_group)
-    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-    expert_fqns = set(expert_fqns)
-    dense = [p.grad for n, p in params if p.grad is not None and n not in expert_fqns]
-    experts = [p.grad for n, p in params if p.grad is not None and n in expert_fqns]
-    for grads, scale, groups in ((dense, 1.0 / (ep * dp), (ep_group, dp_group)), (experts, 1.0 / (ep * dp),
-                                                                                 (dp_group,))):
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in same])
-            for group in groups:
-                if group is not None and dist.get_world_size(group) > 1:
-                    dist.all_reduce(flat, group=group)
-            flat.mul_(scale)
-            offset = 0
-            for g in same:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
 
 
 # ---------------------------------------------------------------------------------------------------------------

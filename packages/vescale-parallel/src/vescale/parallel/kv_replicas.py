@@ -70,15 +70,13 @@ def replicate_kv_heads(model: nn.Module, mesh, *, tp: str = "tp") -> int:
     k = names.index(tp)
     n = mesh.size(k)
     changed = 0
-    for fqn, module in model.named_modules():
-        config = getattr(module, "config", None)
-        kv = getattr(config, "num_key_value_heads", None)
-        if not kv or kv >= n or not all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj")):
+    for fqn, module, kv in _grouped_attention(model):
+        if kv >= n:
             continue
         if getattr(module, "_vescale_kv_replicas", None) == k:
             changed += 1  # set up by parallelize_module (or an earlier call)
             continue
-        heads = config.num_attention_heads
+        heads = module.config.num_attention_heads
         if kv_head_layout(kv, n, heads) != "replicate":
             continue
         if not _replicated_kv(module, mesh, k):
@@ -101,11 +99,7 @@ def planned_kv_replicas(model: nn.Module, mesh, placements: dict[str, tuple]) ->
     collective. A plan that shards k/v with fewer kv heads than ranks (split inside a head) is left alone: correct,
     with the cache replicated."""
     found = []
-    for fqn, module in model.named_modules():
-        config = getattr(module, "config", None)
-        kv = getattr(config, "num_key_value_heads", None)
-        if not kv or not all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj")):
-            continue
+    for fqn, module, kv in _grouped_attention(model):
         prefix = f"{fqn}." if fqn else ""
         q = placements.get(f"{prefix}q_proj.weight", ())
         dims = [i for i, p in enumerate(q) if type(p) is Shard and p.dim == 0]
@@ -116,13 +110,23 @@ def planned_kv_replicas(model: nn.Module, mesh, placements: dict[str, tuple]) ->
         if not all(all(isinstance(p, Replicate) for p in placements.get(name, ())) for name in kv_params):
             continue
         try:
-            layout = kv_head_layout(kv, mesh.size(dims[0]), config.num_attention_heads)
+            layout = kv_head_layout(kv, mesh.size(dims[0]), module.config.num_attention_heads)
         except PlanError as exc:
             raise PlanError(f"{fqn}: k_proj/v_proj replicated and q_proj sharded on mesh dim {dims[0]}: "
                             f"{exc}") from None
         if layout == "replicate":
             found.append((fqn, dims[0]))
     return found
+
+
+def _grouped_attention(model: nn.Module):
+    """``(FQN, module, num_key_value_heads)`` of each attention module of ``model``: one with ``q_proj``, ``k_proj``
+    and ``v_proj`` and a ``config.num_key_value_heads`` (the modules both :func:`replicate_kv_heads` and
+    :func:`planned_kv_replicas` consider)."""
+    for fqn, module in model.named_modules():
+        kv = getattr(getattr(module, "config", None), "num_key_value_heads", None)
+        if kv and all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj")):
+            yield fqn, module, kv
 
 
 def install_kv_replicas(model: nn.Module, mesh, found: list[tuple[str, int]]) -> None:

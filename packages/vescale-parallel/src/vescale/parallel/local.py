@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.core import torch_internals
+from vescale.dtensor.api import from_local_nograd
 from vescale.parallel.factory import capture_paused, capture_resumed, capture_suspended
 
 __all__ = ["make_local", "fast_block", "fast_layer", "fast_model", "fast_path", "in_fast_block", "FastBlock",
@@ -449,11 +450,12 @@ class _CacheOfDTensors:
         layer = self._growing_layer(args, kwargs, key, value)
         if layer is not None:
             # what ``DynamicLayer.update`` does (concatenate on the sequence dim, which no placement shards), on this
-            # rank's heads; the layer then holds DTensors of the same placements, as the DTensor path leaves it
+            # rank's heads; the layer then holds DTensors of the same placements, as the DTensor path leaves it.
+            # No gradient flows here (checked), so they are built below autograd, their spec shared by the layers.
             keys = torch.cat([torch_internals.local_tensor(layer.keys), key], dim=-2)
             values = torch.cat([torch_internals.local_tensor(layer.values), value], dim=-2)
-            layer.keys = DTensor.from_local(keys, self.mesh, self.placements, run_check=False)
-            layer.values = DTensor.from_local(values, self.mesh, self.placements, run_check=False)
+            layer.keys = from_local_nograd(keys, self.mesh, self.placements)
+            layer.values = from_local_nograd(values, self.mesh, self.placements)
             return keys, values
         key = _FromLocal.apply(key, self.mesh, self.placements, self.placements)
         value = _FromLocal.apply(value, self.mesh, self.placements, self.placements)
@@ -647,7 +649,10 @@ class FastModel:
     backward on entry) gives this rank's vocabulary columns, wrapped as a DTensor with the lm head's ``output`` entry
     placements. The root's own boundaries (its ``input`` and ``output`` entries, the plain tensors it returns) apply
     around it unchanged; the KV cache holds head-sharded DTensors as on the DTensor path (see
-    :class:`_CacheOfDTensors`).
+    :class:`_CacheOfDTensors`). Where the model's own ``output`` entry gives ``logits`` exactly those placements with
+    the vocabulary replicated on ``k`` (the plans' default, full logits), the columns are all-gathered here instead,
+    in one collective as Megatron gathers them (:class:`_GatherVocab`), and the entry then finds them in place: the
+    values and placements the entry's redistribution gives, without DTensor's redistribute machinery.
 
     Built by :func:`fast_model` only when every layer is a :class:`FastLayer` on one mesh dim ``k`` (their placements
     ``P``), the embedding is an ``nn.Embedding`` sharded ``Shard(0)`` on ``k`` (replicated elsewhere, rows dividing
@@ -667,10 +672,12 @@ class FastModel:
     """
 
     def __init__(self, module: nn.Module, orig, mesh, k: int, layers: list, entries: list[tuple],
-                 buffers: list[tuple], placements: tuple, logits_placements: tuple, cache_class: type) -> None:
+                 buffers: list[tuple], placements: tuple, logits_placements: tuple, cache_class: type,
+                 gathered_placements: tuple | None = None) -> None:
         self.module, self.orig, self.mesh, self.k = module, orig, mesh, k
         self.layers, self.entries, self.buffers, self.cache_class = layers, entries, buffers, cache_class
         self.placements, self.logits_placements = placements, logits_placements
+        self.gathered_placements = gathered_placements  # the own output entry's logits placements, if gathered here
         # generate() reads the forward's signature to decide what to pass (attention_mask, logits_to_keep, ...)
         self.__signature__ = inspect.signature(orig)
         embed = module.model.embed_tokens
@@ -784,7 +791,13 @@ class FastModel:
         for key in _CACHE_KEYS:
             if isinstance(out.get(key), _CacheOfDTensors):
                 out[key] = out[key].cache
-        out["logits"] = _FromLocal.apply(out["logits"], self.mesh, self.logits_placements, self.logits_placements)
+        logits = out["logits"]
+        if self.gathered_placements is not None:
+            out["logits"] = _gather_vocab(logits, self.mesh, self.k, self.gathered_placements)
+        elif logits.requires_grad:
+            out["logits"] = _FromLocal.apply(logits, self.mesh, self.logits_placements, self.logits_placements)
+        else:
+            out["logits"] = from_local_nograd(logits, self.mesh, self.logits_placements)
         return out
 
 
@@ -824,6 +837,43 @@ def _column_head(x: torch.Tensor, *, head: nn.Module, group) -> torch.Tensor:
     return torch.nn.functional.linear(_EnterGroup.apply(x, group), head.weight)
 
 
+def _all_gather_last(x: torch.Tensor, mesh, k: int) -> torch.Tensor:
+    """``x`` of every rank of mesh dim ``k``, concatenated in rank order on the last dim (one all-gather)."""
+    n = mesh.size(k)
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    torch.distributed.all_gather_single(out, x, group=mesh.get_group(k))
+    return out.view(n, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
+
+
+def _gather_vocab(x: torch.Tensor, mesh, k: int, placements: tuple) -> DTensor:
+    """The lm head's local vocabulary columns ``x`` gathered over mesh dim ``k``, as a DTensor of ``placements``
+    (replicated on ``k``); through :class:`_GatherVocab` when ``x`` takes a gradient."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _GatherVocab.apply(x, mesh, k, placements)
+    return from_local_nograd(_all_gather_last(x, mesh, k), mesh, placements)
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Megatron's gather of a column-parallel output: forward all-gathers the columns (see :func:`_gather_vocab`);
+    backward hands this rank its columns of the gradient (brought to ``placements`` first if it comes otherwise),
+    what the DTensor path's ``Shard`` -> ``Replicate`` redistribution hands back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh, k: int, placements: tuple) -> DTensor:
+        ctx.mesh, ctx.k, ctx.placements, ctx.cols = mesh, k, placements, x.shape[-1]
+        return from_local_nograd(_all_gather_last(x.detach(), mesh, k), mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            if tuple(grad.placements) != ctx.placements:
+                grad = grad.redistribute(ctx.mesh, ctx.placements)
+            grad = torch_internals.local_tensor(grad)
+        start = ctx.mesh.get_local_rank(ctx.k) * ctx.cols
+        return grad.narrow(-1, start, ctx.cols).contiguous(), None, None, None
+
+
 class _VocabLookup(torch.autograd.Function):
     """Megatron's vocab-parallel embedding: this rank's rows looked up (ids outside them read zeros), all-reduced over
     the tp group; backward: each rank's rows get the (replicated) gradient of the positions whose ids they hold."""
@@ -848,10 +898,11 @@ class _VocabLookup(torch.autograd.Function):
         return None, dweight, None, None, None
 
 
-def fast_model(module: nn.Module, mesh, inputs: dict, outputs: dict, named: list[str]) -> bool:
+def fast_model(module: nn.Module, mesh, inputs: dict, outputs: dict, named: list[str], own_output: Any = None) -> bool:
     """Install :class:`FastModel` on ``module`` if its class, its layers and the plan qualify (see there); return
     whether it did. ``inputs``/``outputs`` map the module's own descendants' relative FQNs to their entries' specs,
-    ``named`` lists every relative FQN a plan entry names. Static checks only, no collective."""
+    ``named`` lists every relative FQN a plan entry names, ``own_output`` is the module's own ``output`` entry (None:
+    none). Static checks only, no collective."""
     decoder_class = FAST_MODELS.get((type(module).__module__, type(module).__qualname__))
     if decoder_class is None or "forward" in vars(module):
         return False
@@ -918,8 +969,12 @@ def fast_model(module: nn.Module, mesh, inputs: dict, outputs: dict, named: list
     n_layer_params = sum(len(f.norms) + sum(len(b.params) for b in f.blocks) for _, f in layers)
     if len(entries) + n_layer_params != len(list(module.parameters())):
         return False  # a parameter elsewhere (tied embeddings count once: refused, the lm head would be local twice)
+    # the model's own output entry asks for the logits with the vocabulary replicated on k: gathered in FastModel
+    gathered = tuple(Replicate() if i == k else p for i, p in enumerate(logits))
+    own = own_output.get("logits") if isinstance(own_output, Mapping) else None
+    gather = isinstance(own, (list, tuple)) and tuple(own) == gathered
     module.forward = FastModel(module, module.forward, mesh, k, layers, entries, buffers, placements, logits,
-                               cache_class)
+                               cache_class, gathered if gather else None)
     return True
 
 

@@ -184,6 +184,7 @@ class DistributedOptimizer:
                 groups = {reduction.name: reduction.group} if self.zero_stage else {}
                 if isinstance(slot.param, DTensor):
                     groups.update(_dtensor_groups(slot.param))
+                groups.update(slot.shard_groups)  # a plain piece over DDP's data dims (local_shards: experts)
                 mark_sharded(master, groups)
                 if is_tied_copy(slot.param):  # a pipeline-tied weight another stage counts in the norm
                     mark_tied_copy(master)

@@ -6,7 +6,8 @@
 - ``state.<fqn>.<name>``: each per-parameter state tensor of this rank's flat piece ``[lo, hi)`` of the parameter's
   (TP-local) flattened tensor, as a :class:`~vescale.core.sharded_state.ShardedTensor` of the parameter's *global*
   shape: the piece split into boxes of the TP-local tensor (:func:`~vescale.core.sharded_state.flat_range_boxes`),
-  shifted by where that TP-local tensor sits in the global one. Scalar state (``step``) is a one-box 0-d sharded
+  placed where the TP-local tensor's data sits in the global one (its boxes there: one for ``Shard``, one per chunk
+  for ``InterleavedShard``, so a box crossing chunks is cut). Scalar state (``step``) is a one-box 0-d sharded
   tensor, a replica on every rank holding a piece; other values are kept as values.
 - ``master.<fqn>``: the fp32 master piece of a low-precision parameter, laid out the same way.
 - ``param_groups.<fqn>``: that parameter's group hyper-parameters (a dict value), on every rank.
@@ -19,13 +20,15 @@ optimizer) loads into any other.
 Expert parallelism (DDP's ``data_dims=("ep",)``) needs nothing more: a piece is a range of what its rank's bucket
 holds, whatever ranks the bucket is sharded over. A dense parameter (``Replicate`` on ep, its buckets sharded over
 the flattened dp x ep ranks) is a flat range of the whole tensor on that dim; an expert parameter (``Shard(0)`` on
-ep, its buckets sharded over dp) has the local tensor of its ep rank's experts, so the shift above (the DTensor's
-local chunk offset, over every mesh dim of the parameter: ep and tp) places the piece at its experts. Such a
-checkpoint loads on another ep size and on one process (``integration_tests/test_checkpoint_experts.py``).
+ep, its buckets sharded over dp) has the local tensor of its ep rank's experts, so the placement above (the DTensor's
+local chunks, over every mesh dim of the parameter: ep and tp, interleaved or not) places the piece at its experts.
+Such a checkpoint loads on another ep size, without tp and on one process
+(``integration_tests/test_checkpoint_experts.py``, dp2 x ep2 and ep2 x tp2).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,41 +45,51 @@ if TYPE_CHECKING:
 __all__ = ["sharded_state_dict", "load_sharded_state_dict", "init_sharded_state"]
 
 
-# parameter -> ((placements, shape), offsets): the layout of a parameter does not change between saves, and
+# parameter -> ((placements, shape), chunks): the layout of a parameter does not change between saves, and
 # local_chunks walks every index of each dim in Python
-_OFFSETS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_CHUNKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+#: (global offset, local offset, size) of one box of a TP-local tensor in its global parameter
+_LocalBox = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
-def _tp_offsets(piece: _Piece) -> tuple[int, ...]:
-    """Where the parameter's TP-local tensor starts in the global parameter (it must be one box)."""
-    p = piece.slot.param
+def _tp_chunks(piece: _Piece) -> list[_LocalBox]:
+    """The boxes of the global parameter its TP-local tensor holds, each with where it sits in the local tensor: one
+    for a plain tensor or a ``Shard``, several for an interleaved placement (``InterleavedShard``: one per chunk)."""
+    p, local_shape = piece.slot.param, tuple(piece.slot.local_shape)
     if not isinstance(p, DTensor):
-        return (0,) * p.dim()
+        return [((0,) * len(local_shape), (0,) * len(local_shape), local_shape)]
     layout = (tuple(p.placements), tuple(p.shape))
-    cached = _OFFSETS.get(p)
+    cached = _CHUNKS.get(p)
     if cached is not None and cached[0] == layout:
         return cached[1]
-    chunks = local_chunks(p.shape, p.device_mesh, p.placements)
-    if len(chunks) != 1 or tuple(chunks[0].size) != tuple(piece.slot.local_shape):
-        raise ZeroError(f"parameter {piece.fqn!r} (placements {p.placements}) is not one box of its global tensor "
-                        f"holding local shape {tuple(piece.slot.local_shape)}; its ZeRO state cannot be mapped to "
-                        "global boxes")
-    offsets = tuple(chunks[0].global_offset)
-    _OFFSETS[p] = (layout, offsets)
-    return offsets
+    chunks = [(tuple(c.global_offset), tuple(c.local_offset), tuple(c.size))
+              for c in local_chunks(p.shape, p.device_mesh, p.placements)]
+    if any(len(size) != len(local_shape) for _, _, size in chunks) or sum(
+            math.prod(size) for _, _, size in chunks) != math.prod(local_shape):
+        raise ZeroError(f"parameter {piece.fqn!r} (placements {p.placements}): its local boxes "
+                        f"{[(g, s) for g, _, s in chunks]} do not tile its local shape {local_shape}; its ZeRO state "
+                        "cannot be mapped to global boxes")
+    _CHUNKS[p] = (layout, chunks)
+    return chunks
 
 
 def _flat_piece(piece: _Piece, tensor: torch.Tensor, name: str) -> ShardedTensor:
-    """A 1-D tensor holding ``piece``'s ``[lo, hi)`` as boxes of the global parameter, views of ``tensor``."""
+    """A 1-D tensor holding ``piece``'s ``[lo, hi)`` as boxes of the global parameter, views of ``tensor``: each box
+    of the flat range in the TP-local tensor, cut where it crosses the local tensor's boxes of the global one."""
     p, local_shape = piece.slot.param, tuple(piece.slot.local_shape)
-    shift = _tp_offsets(piece)  # raises ZeroError on every rank alike (the layout is the same everywhere)
+    chunks = _tp_chunks(piece)  # raises ZeroError on every rank alike (the layout is the same everywhere)
     boxes = []
     for offsets, lengths, flat in flat_range_boxes(piece.lo, piece.hi, local_shape):
-        n = 1
-        for x in lengths:
-            n *= x
-        data = tensor[flat - piece.lo:flat - piece.lo + n].view(lengths)
-        boxes.append(Box(tuple(o + s for o, s in zip(offsets, shift)), lengths, data))
+        data = tensor[flat - piece.lo:flat - piece.lo + math.prod(lengths)].view(lengths)
+        for global_offset, local_offset, size in chunks:
+            start = [max(o, lo) for o, lo in zip(offsets, local_offset)]
+            end = [min(o + n, lo + s) for o, n, lo, s in zip(offsets, lengths, local_offset, size)]
+            if any(e <= s for s, e in zip(start, end)):
+                continue
+            boxes.append(Box(tuple(g + s - lo for g, s, lo in zip(global_offset, start, local_offset)),
+                             tuple(e - s for s, e in zip(start, end)),
+                             data[tuple(slice(s - o, e - o) for s, e, o in zip(start, end, offsets))]))
     return ShardedTensor(tuple(p.shape), tensor.dtype, boxes, updated_by_step=True, name=name)
 
 

@@ -46,6 +46,7 @@ from vescale.core.errors import PlanError
 from vescale.core.fqn import match_plan
 from vescale.core.placement_format import format_placements
 from vescale.dtensor import distribute_tensor, is_deferred, materialize
+from vescale.dtensor.api import from_local_nograd
 from vescale.parallel.compile import install_compilable_embeddings
 from vescale.parallel.factory import FactoryCapture, capture_suspended
 from vescale.parallel.kv_replicas import install_kv_replicas, planned_kv_replicas
@@ -350,7 +351,8 @@ def _install_fast_blocks(mods: dict, mesh, inputs: dict, outputs: dict, local: d
         prefix = f"{fqn}." if fqn else ""
         inside = {n[len(prefix):]: spec for n, (_, spec) in inputs.items() if n.startswith(prefix) and n != fqn}
         after = {n[len(prefix):]: spec for n, (_, spec) in outputs.items() if n.startswith(prefix) and n != fqn}
-        fast_model(mod, mesh, inside, after, [n[len(prefix):] for n in named if n.startswith(prefix) and n != fqn])
+        fast_model(mod, mesh, inside, after, [n[len(prefix):] for n in named if n.startswith(prefix) and n != fqn],
+                   own_output=outputs.get(fqn, (None, None))[1])
 
 
 def _finish_row(out: Any, *, spec, mesh, fqn: str) -> Any:
@@ -370,6 +372,8 @@ def _convert(x: Any, mesh, placements, *, where: str) -> Any:
             return _redistribute(x, mesh, tuple(placements))
         return _Redistribute.apply(x, tuple(placements))
     if isinstance(x, torch.Tensor):
+        if not x.requires_grad:  # token ids, masks, positions: no autograd node needed (every decode step has them)
+            return from_local_nograd(x, mesh, tuple(placements))
         return DTensor.from_local(x, mesh, placements, run_check=False)
     if isinstance(x, dict) and all(isinstance(v, torch.Tensor) or v is None for v in x.values()):
         # one entry per kind of layer (HF generate() with a static cache passes attention_mask as
