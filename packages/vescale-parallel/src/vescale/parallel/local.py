@@ -525,11 +525,17 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if isinstance(grad, DTensor):
-            if tuple(grad.placements) != ctx.grad_placements:
-                grad = grad.redistribute(ctx.mesh, ctx.grad_placements)
-            grad = torch_internals.local_tensor(grad)
-        return grad, None, None, None
+        return _local_grad(grad, ctx.mesh, ctx.grad_placements), None, None, None
+
+
+def _local_grad(grad: Any, mesh, placements: tuple) -> torch.Tensor:
+    """This rank's local piece of ``grad`` laid out as ``placements`` (a DTensor gradient redistributed there first
+    if it arrives otherwise; a plain gradient is already local)."""
+    if isinstance(grad, DTensor):
+        if tuple(grad.placements) != placements:
+            grad = grad.redistribute(mesh, placements)
+        grad = torch_internals.local_tensor(grad)
+    return grad
 
 
 def _batch_or_replicated(placements, k: int) -> bool:
@@ -866,10 +872,7 @@ class _GatherVocab(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if isinstance(grad, DTensor):
-            if tuple(grad.placements) != ctx.placements:
-                grad = grad.redistribute(ctx.mesh, ctx.placements)
-            grad = torch_internals.local_tensor(grad)
+        grad = _local_grad(grad, ctx.mesh, ctx.placements)
         start = ctx.mesh.get_local_rank(ctx.k) * ctx.cols
         return grad.narrow(-1, start, ctx.cols).contiguous(), None, None, None
 
