@@ -196,6 +196,73 @@ def test_expert_parallel_zero2_checkpoint_resumes_on_ep2(mixtral_reference_run, 
     assert got == pytest.approx(reference[half:], rel=1e-4), f"dp2 x ep2 zero2 -> ep2: {got} vs {reference[half:]}"
 
 
+def _markov_token_dir(root: Path) -> str:
+    """A prepared token directory (``prepare_data``, no tokenizer) of Markov-chain documents over Mixtral's 512 ids:
+    64 documents of 65 ids (1..511) each ended by EOS id 0, a quarter of them held out (16 documents: 4 held-out
+    batches of 8 x 17 for ``--eval-every``)."""
+    import json
+
+    import data
+    import prepare_data
+
+    rows = data.MarkovCorpus(511, seed=3).batch(0, 64, 64) + 1
+    ids = torch.cat([rows, torch.zeros(64, 1, dtype=torch.long)], dim=1).reshape(-1)
+    root.mkdir(parents=True)
+    ids.numpy().astype("uint16").tofile(root / "ids.bin")
+    (root / "ids.json").write_text(json.dumps({"eos_id": 0, "vocab_size": 512}))
+    return str(prepare_data.prepare(str(root / "ids.bin"), heldout=0.25, cache=root / "cache").directory)
+
+
+def _train_recording_samples(cfg: train.TrainConfig) -> list[tuple[int, list[list[int]]]]:
+    """``train.train(cfg)`` on this rank; returns ``(step, ids)`` of every ``--sample-every`` generation it made
+    (``TextMonitor.sample``'s return: the greedy and the two sampled continuations)."""
+    import evaluate
+
+    seen, original = [], evaluate.TextMonitor.sample
+
+    def recording(self, step):
+        ids = original(self, step)
+        if ids is not None:
+            seen.append((step + 1, ids))
+        return ids
+
+    evaluate.TextMonitor.sample = recording
+    try:
+        train.train(cfg)
+    finally:
+        evaluate.TextMonitor.sample = original
+    return seen
+
+
+def test_expert_parallel_eval_and_samples_match_single_device(tmp_path, ranks):
+    """dp=2,ep=2 Mixtral with --eval-every 3 --sample-every 3 on held-out token data: each ep rank evaluates its own
+    part of its dp rank's held-out rows and the per-rank means are averaged over dp and ep, so the logged held-out
+    loss at steps 3 and 6 is the one-device run's (fp32, rtol 1e-5: the parameters differ from one device's by the
+    rounding of 3 or 6 reordered steps: measured 4e-8 apart; an ep rank on another's rows, or means not averaged over
+    ep, miss by 1e-3 to 8e-3); every rank, each ep rank in lockstep, generates the same continuations as one device
+    (the all-to-alls of a fixed number of decode steps, never stopped early)."""
+    import json
+
+    argv = ["--mesh", "dp=2,ep=2", "--model", "mixtral", "--eval-every", "3", "--sample-every", "3"]
+    train.check_fits(train.parse_args(argv, "test"), train.models.model_spec("mixtral"), 1, 2, 1)  # not refused
+    data = _markov_token_dir(tmp_path / "data")
+    kw = {"model": "mixtral", "data": data, "eval_every": 3, "sample_every": 3}
+    ref = ranks(_train_recording_samples, 1, _cfg("dp=1", tmp_path / "ref", **kw))[0]
+    got = ranks(_train_recording_samples, 4, _cfg("dp=2,ep=2", tmp_path / "ep", **kw))
+
+    def evals(out: Path) -> list[tuple[int, float]]:
+        return [(r["step"], r["eval_loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "eval_loss" in r]
+
+    want, have = evals(tmp_path / "ref"), evals(tmp_path / "ep")
+    assert [s for s, _ in have] == [s for s, _ in want] == [3, 6]
+    print(f"dp2 x ep2 held-out loss {have} vs one device {want}")
+    assert [e for _, e in have] == pytest.approx([e for _, e in want], rel=1e-5), f"dp2 x ep2: {have} vs {want}"
+    assert _losses(tmp_path / "ep") == pytest.approx(_losses(tmp_path / "ref"), rel=1e-4)
+    assert [s for s, _ in ref] == [3, 6] and all(len(row) == train.TextMonitor.NEW_TOKENS for row in ref[0][1])
+    for rank, samples in enumerate(got):
+        assert samples == ref, f"dp2 x ep2 rank {rank}: continuations differ from one device's"
+
 # The gradients of a resumed step, and the logits of a model trained for STEPS steps, come after AdamW steps whose
 # inputs differed by rounding (the batch reduced in another order): AdamW's update lr * m / (sqrt(v) + eps) (eps 1e-8)
 # moves an element whose gradient is near zero by up to lr whatever its rounding, so they differ from one device's by
@@ -292,9 +359,12 @@ def test_pipeline_expert_parallel_zero1_checkpoint_resumes_on_ep2(mixtral_refere
 # its own ranks); dp x ep x tp on 8 ranks (experts' FFNs tp-sharded inside each ep rank, DDP over dp x ep); and
 # dp x ep with --grad-accum 2 and full activation checkpointing (each checkpointed block re-runs its all-to-alls in
 # backward).
+# pp x ep with full activation checkpointing: each captured stage one region, whose recompute runs each dispatch
+# (vescale::ep_experts and its all-to-alls) again before the operator's own backward re-runs it.
 EXPERT_PARALLEL_COMPOSED = [(4, "pp=2,ep=2", {}), (4, "pp=2,ep=2", {"zero": 1}),
                             (8, "pp=2,dp=2,ep=2", {"zero": 2, "microbatches": 2}), (8, "dp=2,ep=2,tp=2", {}),
-                            (4, "dp=2,ep=2", {"grad_accum": 2, "activation_checkpointing": "full"})]
+                            (4, "dp=2,ep=2", {"grad_accum": 2, "activation_checkpointing": "full"}),
+                            (4, "pp=2,ep=2", {"activation_checkpointing": "full"})]
 
 
 @pytest.mark.parametrize("world_size,mesh,kw", EXPERT_PARALLEL_COMPOSED,
@@ -670,6 +740,9 @@ def test_resume_on_another_mesh_continues_the_curve(ws_a, mesh_a, ws_b, mesh_b, 
     (["--mesh", "tp=2", "--reduce-dtype", "bf16"], "--reduce-dtype bf16 needs --dtype bf16"),
     (["--mesh", "cp=4", "--model", "llama", "--seq-len", "20"], "--seq-len 20 is not divisible by 2 x cp = 8"),
     (["--mesh", "cp=2,tp=2", "--compile"], "not with ep/HSDP, --compile (cp under torch.compile"),
+    # dp x ep evaluates and samples (test_expert_parallel_eval_and_samples_match_single_device); pp x ep, as any pp:
+    (["--mesh", "pp=2,ep=2", "--model", "mixtral", "--eval-every", "3", "--sample-every", "3"],
+     "--sample-every needs a mesh without pp (the pipeline engine runs training steps only)"),
 ])
 def test_a_mesh_that_does_not_fit_is_refused_before_any_rank_starts(argv, reason, capsys):
     with pytest.raises(SystemExit) as info:
@@ -686,8 +759,6 @@ def test_unknown_mesh_dimension_is_a_usage_error(capsys):
 
 @pytest.mark.parametrize("argv,reason", [
     (["--mesh", "pp=2,ep=2,tp=2"], "pp x ep x tp is not supported"),
-    (["--mesh", "pp=2,ep=2", "--activation-checkpointing", "full"],
-     "--activation-checkpointing with pp x ep is not supported yet"),
     (["--mesh", "pp=2,ep=2", "--schedule", "zb_h1"], "--schedule zb_h1 is not supported with pp x ep"),
     (["--mesh", "pp=2,ep=2", "--dtype", "bf16", "--ckpt-every", "3"],
      "checkpoints (--ckpt-every, --resume) of pp x ep with --dtype bf16 are not supported yet"),

@@ -162,7 +162,8 @@ def _precision_and_sharding_problems(cfg: TrainConfig, pp: int) -> list[str]:
 
 def _expert_parallel_problems(cfg: TrainConfig) -> list[str]:
     """What refuses an ``ep`` mesh dim in ``cfg`` (each reason named): ep composes with dp and tp (ZeRO 0-2, bf16,
-    --grad-accum, activation checkpointing) and with pp (pp x [dp x] ep: ZeRO 0-2, bf16)."""
+    --grad-accum, activation checkpointing, --eval-every, --sample-every) and with pp (pp x [dp x] ep: ZeRO 0-2, bf16,
+    activation checkpointing of each stage as one region)."""
     dims, problems = cfg.dims, []
     ep, dp, pp = dims.get("ep", 1), dims.get("dp", 1), dims.get("pp", 1)
     other = sorted(set(dims) - {"pp", "dp", "ep", "tp"})
@@ -173,8 +174,9 @@ def _expert_parallel_problems(cfg: TrainConfig) -> list[str]:
                         "experts' Shard(0) over ep); use --zero 1 or 2")
     if cfg.compile:
         problems.append("--compile is not supported (untested: the token dispatch's split sizes are data-dependent)")
-    if cfg.eval_every or cfg.sample_every:
-        problems.append("--eval-every / --sample-every are not supported (the model takes only training rows)")
+    # --eval-every / --sample-every: dp x ep [x tp] splits held-out rows as training rows (each ep rank its own part)
+    # and samples the same rows on every rank in lockstep (tools/evaluate.py); pp x ep is refused by check_fits, as
+    # every pp mesh is (the pipeline engine runs training steps only)
     rows = dp * ep * cfg.grad_accum * ((cfg.microbatches or 2 * pp) if pp > 1 else 1)
     if cfg.batch_size % rows:
         problems.append(f"--batch-size {cfg.batch_size} is not divisible by dp x ep x --grad-accum"
@@ -187,8 +189,6 @@ def _expert_parallel_problems(cfg: TrainConfig) -> list[str]:
             problems.append(f"--schedule {cfg.schedule} is not supported with pp x ep (its split backward would "
                             "re-run the experts' operator, all-to-alls included, in the weight pass); use gpipe, "
                             "1f1b or interleaved_1f1b")
-        if cfg.activation_checkpointing != "none":
-            problems.append("--activation-checkpointing with pp x ep is not supported yet (untested)")
         if cfg.dtype != "fp32" and (cfg.ckpt_every or cfg.resume):
             problems.append(f"checkpoints (--ckpt-every, --resume) of pp x ep with --dtype {cfg.dtype} are not "
                             "supported yet (the fp32 masters of the stages' plain [E / ep, ...] experts, moved into "

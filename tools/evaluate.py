@@ -1,5 +1,6 @@
 """Held-out loss of the model being trained (``tools/train.py --eval-every``): mean next-token cross-entropy over
-fixed held-out batches, each dp rank on its slice of every batch, as one device computes it on the whole batches."""
+fixed held-out batches, each dp rank on its slice of every batch (with expert parallelism each ep rank on its part of
+that slice), as one device computes it on the whole batches."""
 
 from __future__ import annotations
 
@@ -12,29 +13,57 @@ __all__ = ["heldout_loss"]
 
 @torch.no_grad()
 def heldout_loss(model: nn.Module, batches: list[torch.Tensor], *, dp_rank: int, dp: int,
-                 dp_group: dist.ProcessGroup | None, device: torch.device) -> float:
-    """The mean loss over ``batches`` (each ``[B, T + 1]``, ``B`` divisible by ``dp``: inputs and shifted targets).
+                 dp_group: dist.ProcessGroup | None, device: torch.device, ep_rank: int = 0, ep: int = 1,
+                 ep_group: dist.ProcessGroup | None = None) -> float:
+    """The mean loss over ``batches`` (each ``[B, T + 1]``, ``B`` divisible by ``dp x ep``: inputs and shifted
+    targets), as one device computes it on the whole batches.
 
-    Collective: every rank of the mesh calls it with the same ``batches``; ranks of one dp rank's tp group run the
-    same forwards, and the per-dp-rank means are averaged by one ``all_reduce`` over ``dp_group`` (equal slices, so
-    the mean of means is the global mean). ``model`` is left in the mode it was in.
+    Rows as the trainer splits a training batch: each dp rank takes its slice ``batch.chunk(dp)[dp_rank]``, and
+    with expert parallelism (``ep > 1``, a model from ``vescale.parallel.parallelize_experts``) each ep rank its part
+    of that slice, ``.chunk(ep)[ep_rank]``: the experts' all-to-alls need every ep rank to call the model as often as
+    the others, each with its own rows. Collective: every rank of the mesh calls it with the same ``batches``; ranks
+    of one (dp, ep) rank's tp group run the same forwards; the per-rank means are averaged by one ``all_reduce`` over
+    ``dp_group`` and one over ``ep_group`` (equal slices, so the mean of means is the global mean). A batch whose
+    rows do not divide over ``dp x ep`` raises ``ValueError`` on every rank before any forward. With ``ep > 1`` the
+    model is called as ``model(input_ids=rows)``, the batch boundary ``parallelize_experts`` gives the root (Hugging
+    Face's argument name; a positional batch would not be sharded over ep). ``model`` is left in the mode it was in.
     """
     from vescale.plan import language_model_loss
 
+    for batch in batches:
+        if batch.ndim != 2 or batch.shape[0] % (dp * ep):
+            raise ValueError(f"heldout_loss: a held-out batch of shape {tuple(batch.shape)} does not split into "
+                             f"[rows, seq_len + 1] slices of equal rows over dp={dp} x ep={ep}")
     was_training = model.training
     model.eval()
     try:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for batch in batches:
-            rows = batch.chunk(dp)[dp_rank].to(device)
-            total += language_model_loss(model(rows[:, :-1].contiguous()), rows[:, 1:].contiguous()).double()
+            rows = batch.chunk(dp)[dp_rank].chunk(ep)[ep_rank].to(device)
+            inputs = rows[:, :-1].contiguous()
+            out = model(input_ids=inputs) if ep > 1 else model(inputs)
+            total += language_model_loss(out, rows[:, 1:].contiguous()).double()
         total /= max(1, len(batches))
-        if dp > 1:
-            dist.all_reduce(total, group=dp_group)
-            total /= dp
+        for size, group in ((dp, dp_group), (ep, ep_group)):
+            if size > 1:
+                dist.all_reduce(total, group=group)
+                total /= size
     finally:
         model.train(was_training)
     return float(total)
+
+
+class _InputIds(nn.Module):
+    """``model`` called with its batch by keyword, ``model(input_ids=batch)``: how ``sample.generate`` (which passes
+    the batch positionally) reaches an expert-parallel model, whose root shards only the Hugging Face keyword
+    arguments over ep (``parallelize_experts``). Holds ``model`` as its submodule, so parameters and modes pass."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: torch.Tensor):
+        return self.model(input_ids=batch)
 
 
 class TextMonitor:
@@ -44,17 +73,23 @@ class TextMonitor:
     ``model``: this rank's model as the trainer holds it (``trainer.state["model"]``; a list of pipeline stages on a
     pp mesh, where nothing is evaluated or sampled: ``config.check_fits`` refuses the flags there, and the end
     samples are skipped with a note). ``data``: a ``data.TokenData`` (a ``MarkovCorpus`` turns everything off).
+    ``dp_rank`` / ``dp`` / ``dp_group`` and, on a mesh with ep, ``ep_rank`` / ``ep`` / ``ep_group``: how the held-out
+    rows are split and averaged (:func:`heldout_loss`). Samples on a mesh with ep: every rank, each ep rank too,
+    generates the same rows with the same number of forwards (``sample.generate`` runs a fixed ``NEW_TOKENS`` steps
+    of a fixed shape and never stops early), so the experts' all-to-alls stay in lockstep.
     Every method is collective over the mesh when it does something; all ranks decide alike from ``(cfg, step)``.
     """
 
     EVAL_BATCHES = 4  # held-out batches of --batch-size sequences per evaluation (fewer when the split is short)
     NEW_TOKENS = 48  # generated per continuation
 
-    def __init__(self, cfg, data, model, *, dp_rank: int, dp: int, dp_group, device, log) -> None:
+    def __init__(self, cfg, data, model, *, dp_rank: int, dp: int, dp_group, device, log, ep_rank: int = 0,
+                 ep: int = 1, ep_group=None) -> None:
         from data import TokenData
 
         self.cfg, self.data, self.model, self.log = cfg, data, model, log
         self.dp_rank, self.dp, self.dp_group, self.device = dp_rank, dp, dp_group, device
+        self.ep_rank, self.ep, self.ep_group = ep_rank, ep, ep_group  # ep > 1: each ep rank its part of the rows
         self.text = isinstance(data, TokenData)
         self.pipeline = isinstance(model, (list, tuple))
         # (data.open_data has refused --eval-every when the held-out split holds less than one batch)
@@ -91,7 +126,7 @@ class TextMonitor:
             return out
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
             loss = heldout_loss(self.model, self.batches, dp_rank=self.dp_rank, dp=self.dp, dp_group=self.dp_group,
-                                device=self.device)
+                                device=self.device, ep_rank=self.ep_rank, ep=self.ep, ep_group=self.ep_group)
             out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
             self.log(f"step {done}: held-out loss {loss:.4f}, perplexity {out['eval_ppl']:.2f}")
         if cfg.sample_every and done % cfg.sample_every == 0:
@@ -111,7 +146,8 @@ class TextMonitor:
         from sample import continuations
 
         self.last_sampled = step
-        ids, text = continuations(self.model, self.data.tokenizer_dir, self.prompt, self.NEW_TOKENS,
+        model = _InputIds(self.model) if self.ep > 1 else self.model  # (the experts' keyword batch boundary)
+        ids, text = continuations(model, self.data.tokenizer_dir, self.prompt, self.NEW_TOKENS,
                                   window=self.cfg.seq_len, seed=self.cfg.seed + step, eos_id=self.data.eos_id)
         self.log(f"samples after step {step + 1}:\n{text}")
         return ids

@@ -182,8 +182,11 @@ def ep_pipeline(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole
     ``local_shards``: one bucketed reduction per group, started in the last microbatch's backward as for pp x dp
     (``apply_dp_stages``): the dense gradients summed over ep and averaged over dp (dp x ep flattened), the experts'
     (already summed over ep by the all-to-all) averaged over dp. ZeRO 1/2 shard each group over its own ranks
-    (``DistributedOptimizer``); ``--dtype bf16``: bf16 stages, fp32 buffers and masters, as for pp x dp."""
-    from vescale.parallel import DistributedDataParallel
+    (``DistributedOptimizer``); ``--dtype bf16``: bf16 stages, fp32 buffers and masters, as for pp x dp.
+    ``--activation-checkpointing``: each stage one region before its DDP, as for pp x dp; the recompute runs every
+    dispatch of the stage again, all-to-alls included, in the same order on every ep rank of the stage (they run the
+    same schedule), so a dispatch runs three times per microbatch (forward, recompute, the operator's backward)."""
+    from vescale.parallel import DistributedDataParallel, checkpoint_activations
     from vescale.parallel.clip_grad import mark_tied_copy
     from vescale.parallel.expert_state import local_experts_state
     from vescale.parallel.experts import experts_as_operator, keep_local_experts
@@ -201,6 +204,9 @@ def ep_pipeline(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole
     held = list(engine.stages.values())
     if models.is_hf_dir(cfg.model):
         models.load_pretrained(cfg.model, held, stages=True, tied=models.tied_names(model))
+    if cfg.activation_checkpointing != "none":  # as pp x dp: one region per captured stage, before its DDP
+        for stage in held:
+            checkpoint_activations(stage, cfg.activation_checkpointing, whole=True)
     ddps: list = []
 
     def local_experts(index: int, stage: nn.Module, late: list) -> nn.Module:
@@ -607,8 +613,12 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         offset, note = resume_offset(progress, corpus, cfg.batch_size)
         if note:
             log(cfg, note)
+    ep = dim_size(mesh, "ep")  # held-out rows split as training rows: each ep rank its part of its dp rank's slice
+    ep_mesh = sub_mesh(mesh, "ep") if ep > 1 else None
     monitor = TextMonitor(cfg, corpus, trainer.state["model"], dp_rank=dp_rank, dp=dp, device=device,
-                          dp_group=dp_mesh(mesh).get_group() if dp > 1 else None, log=lambda m: log(cfg, m))
+                          dp_group=dp_mesh(mesh).get_group() if dp > 1 else None, log=lambda m: log(cfg, m),
+                          ep_rank=ep_mesh.get_local_rank() if ep > 1 else 0, ep=ep,
+                          ep_group=ep_mesh.get_group() if ep > 1 else None)
     run_log = RunLog(out, cfg.steps, start, active=rank == 0, append=bool(cfg.resume), quiet=cfg.quiet)
     window = TimelineWindow(mesh, start, cfg.steps, cfg.trace_steps, out / "timeline.json")
     tokens_per_step, pending_save, t_start = cfg.batch_size * cfg.seq_len, None, time.perf_counter()
@@ -651,8 +661,9 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     if pending_save is not None:
         pending_save.wait()
     wall = time.perf_counter() - t_start
-    # what the model learned, in text (real data; not on pp, cp or ep meshes, whose model takes only training rows)
-    if not cfg.quiet and cfg.steps > start and cp == 1 and dim_size(mesh, "ep") == 1:
+    # what the model learned, in text (real data; not on cp meshes, whose model takes only training rows; pp: noted.
+    # ep: every rank generates the same rows in lockstep, see TextMonitor)
+    if not cfg.quiet and cfg.steps > start and cp == 1:
         monitor.sample(cfg.steps - 1)
     if cfg.export_hf:
         export_hf(cfg, trainer, out)
