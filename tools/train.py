@@ -186,7 +186,7 @@ def ep_pipeline(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole
     ``--activation-checkpointing``: each stage one region before its DDP, as for pp x dp; the recompute runs every
     dispatch of the stage again, all-to-alls included, in the same order on every ep rank of the stage (they run the
     same schedule), so a dispatch runs three times per microbatch (forward, recompute, the operator's backward)."""
-    from vescale.parallel import DistributedDataParallel, checkpoint_activations
+    from vescale.parallel import checkpoint_activations
     from vescale.parallel.clip_grad import mark_tied_copy
     from vescale.parallel.expert_state import local_experts_state
     from vescale.parallel.experts import experts_as_operator, keep_local_experts
@@ -211,10 +211,8 @@ def ep_pipeline(cfg: TrainConfig, mesh, model: nn.Module, num_params: int, whole
 
     def local_experts(index: int, stage: nn.Module, late: list) -> nn.Module:
         replaced = keep_local_experts(stage, experts, mesh)  # in place; the engine collects the new parameters
-        ddps.append(DistributedDataParallel(
-            stage, mesh, zero_stage=2 if cfg.zero == 2 else 0, grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype]),
-            late_params=late, wait_in_backward=False, data_dims=("ep",),
-            local_shards={fqn: ("ep",) for fqn in replaced}))
+        ddps.append(ddp_of_stage(stage, mesh, cfg, late, data_dims=("ep",),
+                                 local_shards={fqn: ("ep",) for fqn in replaced}))
         return ddps[-1]
 
     engine.wrap_stages(local_experts)
@@ -284,7 +282,6 @@ def apply_dp_stages(engine, mesh, cfg: TrainConfig) -> list:
     one bucketed dp reduction per step, started in the last microbatch's backward and overlapped with the rest of
     it; a weight tied across stages is reduced after the engine's sum over pp (``late_params``). Returns the
     wrappers, one per local stage; none when ``apply_dp`` would take none (no dp, ZeRO or bf16)."""
-    from vescale.parallel import DistributedDataParallel
 
     cp = dim_size(mesh, "cp")  # with cp: over dp x cp (grad_mesh), each cp rank holding its share of every row
     if grad_mesh(mesh) is None or (dp_size(mesh) * cp == 1 and not cfg.zero and cfg.dtype == "fp32"):
@@ -294,13 +291,23 @@ def apply_dp_stages(engine, mesh, cfg: TrainConfig) -> list:
     wrappers = []
 
     def wrap(index: int, stage: nn.Module, late: list[nn.Parameter]) -> nn.Module:
-        wrappers.append(DistributedDataParallel(
-            stage, grad_mesh(mesh), zero_stage=2 if cfg.zero == 2 else 0,
-            grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype]), late_params=late, wait_in_backward=False))
+        wrappers.append(ddp_of_stage(stage, grad_mesh(mesh), cfg, late))
         return wrappers[-1]
 
     engine.wrap_stages(wrap)
     return wrappers
+
+
+def ddp_of_stage(stage: nn.Module, mesh, cfg: TrainConfig, late: list[nn.Parameter], **kwargs):
+    """A pipeline stage's ``DistributedDataParallel`` over ``mesh``: ZeRO 2's gradient shards or a full buffer in
+    ``--reduce-dtype``, ``late`` (tied weights) reduced after the engine's sum over pp, and the reduction left running
+    at the end of each backward (the engine waits once, after the last microbatch). ``kwargs``: DDP's other arguments
+    (expert parallelism: ``data_dims``, ``local_shards``)."""
+    from vescale.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(stage, mesh, zero_stage=2 if cfg.zero == 2 else 0,
+                                   grad_dtype=getattr(torch, DTYPES[cfg.reduce_dtype]), late_params=late,
+                                   wait_in_backward=False, **kwargs)
 
 
 def apply_zero3_stages(engine, mesh, cfg: TrainConfig) -> None:
