@@ -1,5 +1,4 @@
-"""The local read path: non-contiguous parts of shards, chunked checksums shared out among readers, version 1, one
-descriptor per data file with huge-page advice for large spans.
+"""The local read path: non-contiguous parts of shards, chunked checksums shared out among readers, version 1.
 
 A rank that needs a column block of a row-major stored shard copies just those columns from the mapped file, and the
 shard's checksum chunks are each checked by exactly one of the ranks reading it; values must equal the reference
@@ -144,58 +143,3 @@ def test_version_1_checkpoint_loads_and_verifies(tmp_path):
     (path / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(CorruptCheckpointError, match="format version 3; this vescale.checkpoint reads versions 1, 2"):
         checkpoint.load(path, {k: torch.zeros_like(v) for k, v in ref.items()})
-
-
-def test_mapped_loads_open_each_file_once_and_advise_huge_pages_for_large_spans(tmp_path, monkeypatch):
-    """The mapped path maps every span of a data file through one descriptor per load (a descriptor opened per span
-    starts its readahead afresh and leaves 4 KiB folios in the page cache) and advises huge pages for spans of at
-    least 2 MiB only; the values are bitwise the saved ones."""
-    import errno
-
-    from vescale.checkpoint import _local_read, _storage
-
-    path = os.path.join(tmp_path, "ckpt")
-    g = torch.Generator().manual_seed(3)
-    saved = {"big": torch.randn(1024, 1024, generator=g), "big2": torch.randn(768, 1024, generator=g),
-             "small": torch.randn(100, generator=g)}
-    checkpoint.save(path, saved)
-    opened: dict[str, int] = {}
-    populated: list[tuple[int, bool]] = []
-    open_read, populate = _storage.Storage._open_read, _local_read._populate
-
-    def count_open(self, name):
-        opened[name] = opened.get(name, 0) + 1
-        return open_read(self, name)
-
-    def spy_populate(mapped, huge):
-        populated.append((len(mapped), huge))
-        return populate(mapped, huge)
-
-    monkeypatch.setattr(_storage.Storage, "_open_read", count_open)
-    monkeypatch.setattr(_local_read, "_populate", spy_populate)
-    state = {k: torch.zeros_like(v) for k, v in saved.items()}
-    for _ in range(2):  # the second load maps what the first read into the page cache
-        opened.clear()
-        populated.clear()
-        checkpoint.load(path, state, dedup_reads=False)
-        data = [name for name in opened if name.startswith("data-")]
-        assert len(data) == 1 and opened[data[0]] == 1, opened
-        assert sorted(huge for _, huge in populated) == [False, True, True], populated
-        assert all(huge == (n >= 2 << 20) for n, huge in populated), populated
-        for key in saved:
-            assert torch.equal(state[key], saved[key]), key
-
-    class Advice:  # a kernel without MADV_POPULATE_READ (EINVAL) is populated by page faults; a read error raises
-        def __init__(self, err):
-            self.err, self.calls = err, []
-
-        def madvise(self, option):
-            self.calls.append(option)
-            if option == _local_read._MADV_POPULATE_READ:
-                raise OSError(self.err, os.strerror(self.err))
-
-    old = Advice(errno.EINVAL)
-    populate(old, huge=True)
-    assert old.calls[-1] == _local_read._MADV_POPULATE_READ
-    with pytest.raises(OSError):
-        populate(Advice(errno.EIO), huge=False)

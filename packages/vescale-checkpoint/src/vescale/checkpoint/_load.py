@@ -46,7 +46,6 @@ from vescale.checkpoint._gc import collector_paused
 from vescale.checkpoint._layout import intersect, relative
 from vescale.checkpoint._local_read import (
     MappedShard,
-    OpenFiles,
     byte_span,
     check_chunks_read,
     map_parts,
@@ -373,7 +372,6 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
     mine = [rd for rd in reads if rd.reader == comm.rank]
     staged: dict[int, torch.Tensor] = {}  # by id of the read: a decompressed shard
     mapped: dict[int, MappedShard] = {}   # by id of the read: the mapped span of a raw shard
-    files = OpenFiles(storage)            # one descriptor per data file for all its mappings
 
     def parts(rd: _Read) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         origin = rd.shard["offsets"]
@@ -390,7 +388,7 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
             if rd.shard["codec"] != "raw":
                 staged[id(rd)] = read_shard(storage, rd.shard, dtype, verify=chunks)
                 return
-            m = map_parts(files, rd.shard, dtype, parts(rd), chunks)
+            m = map_parts(storage, rd.shard, dtype, parts(rd), chunks)
             if m is None:
                 if chunks:
                     check_chunks_read(storage, rd.shard, chunks)
@@ -425,7 +423,6 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
         release_buffer()
         for m in mapped.values():
             m.close()
-        files.close()
 
 
 def _run_all(fn, items: list, pool: ThreadPoolExecutor | None) -> list[BaseException]:

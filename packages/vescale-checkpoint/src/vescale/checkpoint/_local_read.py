@@ -15,24 +15,12 @@ the whole shard, else into a buffer that the parts are copied out of. It serves 
 dtype (a cast), item sizes numpy has no integer for, file systems that cannot map, and every shard with
 ``VESCALE_CHECKPOINT_MMAP=0`` in the environment.
 
-**Huge pages of the page cache.** Mapping costs page-table work per page of the page cache: for 4 KiB pages it
-cost as much CPU as the copy out (8-9 ms per 128 MiB per rank in ``tools/bench/checkpoint.py``), for 2 MiB folios
-mapped whole about 0.5 ms. Which of the two the page cache holds is decided when the bytes are first read (saves
-write with ``O_DIRECT``, so a load reads them first). Each span of at least 2 MiB is therefore mapped, advised
-``MADV_HUGEPAGE`` and then populated (``MADV_POPULATE_READ``), through one descriptor per file and load
-(:class:`OpenFiles`): the kernel then reads the span in as 2 MiB folios, and later loads map those whole. A
-descriptor opened anew for each span reads them in as small folios (each open starts its readahead afresh), and so
-does advice given after populating (``MAP_POPULATE``). Where the kernel lacks either advice, the span is populated
-as before.
-
 A mapped file that another process truncates during the load makes the next access to the lost pages a SIGBUS,
 which ends the process (the read path raises instead); checkpoints are written to new files and never truncated.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import mmap
 import os
 import threading
@@ -45,12 +33,10 @@ from vescale.checkpoint._reader import check_chunks, chunk_spans, shard_nbytes
 from vescale.checkpoint._storage import Storage
 from vescale.checkpoint.errors import CorruptCheckpointError
 
-__all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read", "MappedShard", "map_parts", "OpenFiles"]
+__all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read", "MappedShard", "map_parts"]
 
 _bounce = threading.local()
 _CHECK_BYTES = 16 << 20  # bytes read at a time to check chunks (whole chunks, at least one)
-_HUGE_SPAN = 2 << 20  # spans at least this long are advised MADV_HUGEPAGE before they are populated
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python defines it from 3.13
 # per item size, an integer dtype of torch and of numpy: parts are copied as these (bitwise, any dtype, bfloat16 too)
 _INT_OF_SIZE = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
                 8: (torch.int64, np.int64)}
@@ -150,60 +136,34 @@ def release_buffer() -> None:
     _bounce.buf = None
 
 
-class OpenFiles:
-    """One read descriptor per data file for the mappings of one load (see the module's note on huge pages);
-    :meth:`close` closes them all. Safe to use from several threads."""
-
-    def __init__(self, storage: Storage) -> None:
-        self.storage = storage
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def fd(self, name: str) -> int:
-        """The descriptor of ``name``, opened on first use (:meth:`Storage._open_read`: a regular file, not a
-        link); raises as that does."""
-        with self._lock:
-            if name not in self._fds:
-                self._fds[name] = self.storage._open_read(name)
-            return self._fds[name]
-
-    def close(self) -> None:
-        with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
-
-
 class MappedShard:
-    """The bytes ``[lo, hi)`` (relative to the shard's start) of a raw shard of a local data file, mapped read-only
-    and populated.
+    """The bytes ``[lo, hi)`` (relative to the shard's start) of a raw shard of a local data file, mapped read-only.
 
     :meth:`check` checks checksum chunks on the mapping; :meth:`fill` copies parts out of it into their targets;
     :meth:`close` unmaps (also when nothing was filled). Raises :class:`CorruptCheckpointError` naming the file when it
-    is missing, not a regular file, or ends before ``hi``; ``OSError`` when it cannot be opened or read.
+    is missing, not a regular file, or ends before ``hi``; ``OSError`` when it cannot be opened.
     """
 
-    def __init__(self, files: OpenFiles, shard: dict[str, Any], lo: int, hi: int) -> None:
-        self.shard, self.lo, self.where = shard, lo, files.storage.where(shard["file"])
+    def __init__(self, storage: Storage, shard: dict[str, Any], lo: int, hi: int) -> None:
+        self.shard, self.lo, self.where = shard, lo, storage.where(shard["file"])
         begin, end = shard["start"] + lo, shard["start"] + hi
         try:
-            fd = files.fd(shard["file"])
+            fd = storage._open_read(shard["file"])
         except FileNotFoundError:
             raise CorruptCheckpointError(f"checkpoint data file {self.where} is missing") from None
-        size = os.fstat(fd).st_size
-        if size < end:  # an access past the end of a mapping is a SIGBUS, not an error: refuse it here
-            raise CorruptCheckpointError(f"checkpoint data file {self.where} is truncated: expected bytes "
-                                         f"[{begin}, {end}), the file ends at {size}")
-        base = begin - begin % mmap.ALLOCATIONGRANULARITY
         try:
-            self._map = mmap.mmap(fd, end - base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=base)
-        except (OSError, ValueError) as exc:
-            raise _Unmappable(str(exc)) from None
-        try:
-            _populate(self._map, huge=end - base >= _HUGE_SPAN)
-        except BaseException:
-            self._map.close()
-            raise
+            size = os.fstat(fd).st_size
+            if size < end:  # an access past the end of a mapping is a SIGBUS, not an error: refuse it here
+                raise CorruptCheckpointError(f"checkpoint data file {self.where} is truncated: expected bytes "
+                                             f"[{begin}, {end}), the file ends at {size}")
+            base = begin - begin % mmap.ALLOCATIONGRANULARITY
+            try:  # MAP_POPULATE maps every page of the span in one call instead of one page fault per 4 KiB
+                self._map = mmap.mmap(fd, end - base, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                      prot=mmap.PROT_READ, offset=base)
+            except (OSError, ValueError) as exc:
+                raise _Unmappable(str(exc)) from None
+        finally:
+            os.close(fd)
         self._view = memoryview(self._map)[begin - base:]
 
     def check(self, chunks: list[int]) -> None:
@@ -237,21 +197,7 @@ class MappedShard:
             pass
 
 
-def _populate(mapped: mmap.mmap, huge: bool) -> None:
-    """Read every page of ``mapped`` in and map it now (one call instead of a page fault per page), advised
-    ``MADV_HUGEPAGE`` first when ``huge``. A kernel without the advice leaves the pages to be faulted in on first
-    access; a read error raises ``OSError``."""
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # no transparent huge pages in this kernel: 4 KiB pages, as without
-            mapped.madvise(mmap.MADV_HUGEPAGE)
-    try:
-        mapped.madvise(_MADV_POPULATE_READ)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14, which has no such advice
-            raise
-
-
-def map_parts(files: OpenFiles, shard: dict[str, Any], dtype: torch.dtype,
+def map_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
               parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int]) -> MappedShard | None:
     """A :class:`MappedShard` of the span that ``parts`` and the checksum ``chunks`` of a raw shard cover, or None
     when the mapped path does not apply (nothing to read, a target off the CPU or of another dtype, an item size
@@ -274,7 +220,7 @@ def map_parts(files: OpenFiles, shard: dict[str, Any], dtype: torch.dtype,
     # whole items (a chunk size need not divide by the item size), within the shard (which holds whole items)
     lo, hi = lo - lo % size, min(hi + (-hi) % size, shard_nbytes(shard))
     try:
-        return MappedShard(files, shard, lo, hi)
+        return MappedShard(storage, shard, lo, hi)
     except _Unmappable:  # this file system cannot map the file: read it instead
         return None
 
