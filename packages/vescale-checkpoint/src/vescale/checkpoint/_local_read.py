@@ -1,19 +1,21 @@
 """Reading one rank's parts of one stored shard from a local file.
 
-Two paths. **Mapped** (:class:`MappedShard`), for any part of a raw shard into a CPU target of its dtype (a whole
-shard, a column block of a row-major shard, any sub-box): the byte span the rank's parts and checksum chunks cover
-is mapped read-only (``mmap``), its chunks are checked on the mapping itself, and after the ranks have agreed that
-every chunk is intact the parts are copied out of the mapping straight into their targets (strided). Each needed
-byte is read once by the checksum and copied once; reading the span into a buffer to check it and reading it again
-to fill (the read path) copies twice, which for whole shards cost 10-17 % more CPU per load in
-``tools/bench/checkpoint.py``. Before it maps, the file is checked to hold the whole span, so no access to the
-mapping can fall past its end.
+Two paths. **Mapped** (:class:`MappedShard`), for parts of a raw shard into CPU targets of its dtype (a column
+block of a row-major shard, any sub-box): the byte span the rank's parts and checksum chunks cover is mapped
+read-only (``mmap``), its chunks are checked on the mapping itself, and after the ranks have agreed that every
+chunk is intact the parts are copied out of the mapping straight into their targets (strided). Each needed byte is
+read once by the checksum and copied once. Before it maps, the file is checked to hold the whole span, so no access
+to the mapping can fall past its end.
 
 **Read** (:func:`check_chunks_read`, then :func:`read_parts`): the chunks are read into a reused buffer and checked,
 and after the agreement the span is read again with one positional read, straight into the target when the part is
-the whole shard, else into a buffer that the parts are copied out of. It serves targets off the CPU or of another
-dtype (a cast), item sizes numpy has no integer for, file systems that cannot map, and every shard with
-``VESCALE_CHECKPOINT_MMAP=0`` in the environment.
+the whole shard, else into a buffer that the parts are copied out of. It serves whole shards into one contiguous CPU
+target (every same-layout load), targets off the CPU or of another dtype (a cast), item sizes numpy has no integer
+for, file systems that cannot map, and every shard with ``VESCALE_CHECKPOINT_MMAP=0`` in the environment. Whole
+shards are read, not mapped, because mapping and unmapping the page cache's 4 KiB pages costs more than the
+second read: in ``tools/bench/checkpoint.py`` on a quiet machine (512 MiB, 4 ranks, the two alternating in one run)
+the same-layout loads took 2-35 % less CPU on every row of the layout matrix than with whole shards mapped (an
+earlier A/B on a machine shared with other jobs had favoured mapping them by 4-15 % on three of four rows).
 
 A mapped file that another process truncates during the load makes the next access to the lost pages a SIGBUS,
 which ends the process (the read path raises instead); checkpoints are written to new files and never truncated.
@@ -63,7 +65,6 @@ def read_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
     (targets of this shard are then left untouched).
     """
     shape, size = shard["lengths"], dtype.itemsize
-    nbytes = shard_nbytes(shard)
     spans = [byte_span(offs, tuple(t.shape), shape, size) for offs, t in parts if t.numel()]
     if chunks:
         stored = chunk_spans(shard)
@@ -73,10 +74,9 @@ def read_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
         return
     lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
     direct = None
-    if len(parts) == 1 and (lo, hi) == (0, nbytes) and tuple(parts[0][1].shape) == tuple(shape):
-        target = parts[0][1]
-        if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
-            direct = target.reshape(-1).view(torch.uint8)
+    whole = _whole_shard_target(shard, parts)
+    if whole is not None and whole.dtype == dtype:
+        direct = whole.reshape(-1).view(torch.uint8)
     buf = direct if direct is not None else _buffer(hi - lo)
     view = memoryview(buf.numpy())
     storage.read_into(shard["file"], shard["start"] + lo, view)
@@ -202,11 +202,13 @@ def map_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
     """A :class:`MappedShard` of the span that ``parts`` and the checksum ``chunks`` of a raw shard cover, or None
     when the mapped path does not apply (nothing to read, a target off the CPU or of another dtype, an item size
     numpy cannot copy, ``VESCALE_CHECKPOINT_MMAP=0``, a file system that cannot map): the caller then reads with
-    :func:`check_chunks_read` and :func:`read_parts`. A whole shard into a contiguous target is mapped too: checking
-    its chunks on the mapping and copying once costs less than reading them to check and reading again to fill."""
+    :func:`check_chunks_read` and :func:`read_parts`, and for a whole shard into one contiguous CPU target, which
+    reads straight into the target after the check (see the module's note)."""
     if os.environ.get("VESCALE_CHECKPOINT_MMAP", "1") == "0" or dtype.itemsize not in _INT_OF_SIZE:
         return None
     if any(t.device.type != "cpu" or t.dtype != dtype for _, t in parts):  # a cast (strict=False) copies as torch
+        return None
+    if _whole_shard_target(shard, parts) is not None:  # read straight into it after the check: see the module
         return None
     shape, size = shard["lengths"], dtype.itemsize
     spans = [byte_span(offs, tuple(t.shape), shape, size) for offs, t in parts if t.numel()]
@@ -223,6 +225,15 @@ def map_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
         return MappedShard(storage, shard, lo, hi)
     except _Unmappable:  # this file system cannot map the file: read it instead
         return None
+
+
+def _whole_shard_target(shard: dict[str, Any], parts: list[tuple[tuple[int, ...], torch.Tensor]]
+                        ) -> torch.Tensor | None:
+    """The target when ``parts`` is the whole shard into one contiguous CPU tensor (its bytes, flat), else None."""
+    if len(parts) != 1 or tuple(parts[0][1].shape) != tuple(shard["lengths"]) or any(parts[0][0]):
+        return None
+    target = parts[0][1]
+    return target if target.device.type == "cpu" and target.is_contiguous() else None
 
 
 class _Unmappable(Exception):
