@@ -36,7 +36,7 @@ _CHUNK = 64 << 20  # bytes per pwrite/pread call: keeps threads busy on big tens
 _DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 # bytes per O_DIRECT write. Measured on the development machine's virtio disk, 4 ranks writing 128 MiB each (medians
 # of 5 saves, two runs): 16 MiB writes 245-264 ms, 4 MiB 224-227, 1 MiB 199-210, 512 KiB 193-203, 256 KiB 227-254,
-# 128 KiB 309-322; dd shows the same order. Large writes wait for their slowest part; small ones cost a call each.
+# 128 KiB 309-322; dd shows the same order (a property of this virtual disk: other devices may prefer larger writes).
 _DIRECT_BUFFER = 1 << 20
 #: write local data files with O_DIRECT where the file system allows it (``VESCALE_CHECKPOINT_DIRECT_IO=0``: never)
 direct_io = os.environ.get("VESCALE_CHECKPOINT_DIRECT_IO", "1") != "0"
