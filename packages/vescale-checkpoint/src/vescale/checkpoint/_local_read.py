@@ -229,7 +229,7 @@ def map_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
 
 def _whole_shard_target(shard: dict[str, Any], parts: list[tuple[tuple[int, ...], torch.Tensor]]
                         ) -> torch.Tensor | None:
-    """The target when ``parts`` is the whole shard into one contiguous CPU tensor (its bytes, flat), else None."""
+    """The target when ``parts`` is the whole shard into one contiguous CPU tensor, else None."""
     if len(parts) != 1 or tuple(parts[0][1].shape) != tuple(shard["lengths"]) or any(parts[0][0]):
         return None
     target = parts[0][1]
