@@ -270,14 +270,14 @@ def _dd(root: str, mb: int, streams_list: tuple[int, ...] = (1, 4), block_sizes:
         suffix = "" if streams == 1 else f"_{streams}x"
         for name in ("write", "read"):
             by_block = {}
-            for bs in block_sizes:
-                block = int(bs[:-1]) << (10 if bs.endswith("K") else 20)
-                count = max(1, (mb << 20) // 4 // streams // block)
-                if name == "read" and not all(os.path.exists(f) for f in files):
-                    continue
-                cmds = [["dd", "if=/dev/zero", f"of={f}", f"bs={bs}", f"count={count}", "oflag=direct",
-                         "conv=fdatasync"] if name == "write" else ["dd", f"if={f}", "of=/dev/null", f"bs={bs}",
-                                                                    "iflag=direct"] for f in files]
+            missing = name == "read" and not all(os.path.exists(f) for f in files)  # the writes failed: no reads
+            for bs in () if missing else block_sizes:
+                if name == "write":  # a quarter of ``mb`` over the streams, in blocks of ``bs``
+                    count = max(1, (mb << 20) // 4 // streams // (int(bs[:-1]) << (10 if bs.endswith("K") else 20)))
+                    cmds = [["dd", "if=/dev/zero", f"of={f}", f"bs={bs}", f"count={count}", "oflag=direct",
+                             "conv=fdatasync"] for f in files]
+                else:  # the files the last write left, to their end
+                    cmds = [["dd", f"if={f}", "of=/dev/null", f"bs={bs}", "iflag=direct"] for f in files]
                 t0 = time.perf_counter()
                 procs = [subprocess.Popen(c, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
                          for c in cmds]
