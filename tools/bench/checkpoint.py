@@ -1,26 +1,28 @@
 """vescale.checkpoint against torch.distributed.checkpoint (DCP): a layout matrix (default) and a model + AdamW state.
 
-    python tools/bench/checkpoint.py [--size-mb 512] [--small] [--layouts row,column] [--repeat 3] [--before]
+    python tools/bench/checkpoint.py [--size-mb 512] [--small] [--layouts row,column] [--repeat 3]
     python tools/bench/checkpoint.py --model-state [--size-mb 256] [--small] [--step-batch 2]
 
-**Layout matrix** (default). The state is ``--size-mb`` of fp32 tensors of 8M elements ([2048, 4096]; ``--small``:
-64 MiB of [1024, 2048], one sample each, under a minute), every tensor in one layout per row on 4 ranks (dp2 x tp2):
-replicated, TP rows, TP columns, 2-D block, FSDP x TP, ``InterleavedShard``, ZeRO's flat ``RaggedShard`` pieces
-(over dp = 4), and a mix. Per row, in one run, vescale and DCP alternating: save (each to a new directory, deleted
-after, untimed), load into the same layout, and, on 2 ranks, load resharded (``Shard(1)`` of each matrix,
-``Shard(0)`` of each flat tensor). DCP cannot store ``InterleavedShard`` or ``RaggedShard``; on those rows it is
-timed on the nearest torch layout with the same bytes per rank (``dcp_layout``). The first call of each is
-untimed (plans; the page cache of the files just written), so loads read from the page cache on both sides. Each
-figure: the median of ``--repeat`` calls, as the slowest rank between barriers, and the CPU seconds of all ranks
-together (``*_cpu_s``: what a call costs even when other jobs on a shared machine stretch its wall time).
-``--before`` also times vescale's loads with the mapped read path off (``VESCALE_CHECKPOINT_MMAP=0``: checks read
-the chunks, then the fill reads them again). The floors, from the same run: a load copies each byte the ranks
-hold at least once (``floor_load_s``: those bytes at the measured all-ranks memcpy rate, on buffers larger than
-the caches; ``floor_load_cpu_s``: the CPU seconds of all ranks that copy costs, measured the same way, to set
-against the ``*_cpu_s`` figures); a save writes the state's bytes at dd's 4-stream ``O_DIRECT`` rate, the best of
+**Layout matrix** (default). The state is ``--size-mb`` of fp32 tensors of 8M elements ([2048, 4096]; ``--small``: 64
+MiB of [1024, 2048], one sample each, under a minute), every tensor in one layout per row on 4 ranks (dp2 x tp2):
+replicated, TP rows, TP columns, 2-D block, FSDP x TP, ``InterleavedShard``, ZeRO's flat ``RaggedShard`` pieces (over
+dp = 4), and a mix. Per row, in one run, vescale and DCP alternating: save (each to a new directory, deleted after,
+untimed), load into the same layout, and, on 2 ranks, load resharded (``Shard(1)`` of each matrix, ``Shard(0)`` of
+each flat tensor). DCP cannot store ``InterleavedShard`` or ``RaggedShard``; on those rows it is timed on the nearest
+torch layout with the same bytes per rank (``dcp_layout``). The first call of each is untimed (plans; the page cache
+of the files just written), so loads read from the page cache on both sides. Each figure: the median of ``--repeat``
+calls, as the slowest rank between barriers, and the CPU seconds of all ranks together (``*_cpu_s``: what a call costs
+even when other jobs on a shared machine stretch its wall time). The floors, from the same run: a load copies each
+byte the ranks hold at least once (``floor_load_s``: those bytes at the measured all-ranks memcpy rate, on buffers
+larger than the caches; ``floor_load_cpu_s``: the CPU seconds of all ranks that copy costs, measured the same way, to
+set against the ``*_cpu_s`` figures); a save writes the state's bytes at dd's 4-stream ``O_DIRECT`` rate, the best of
 block sizes 512 KiB, 1 MiB and 4 MiB (``floor_save_s``; ``*_save_fraction_of_disk``: that floor over each side's
-save). Loads are also timed with ``verify=False`` (``vescale_unverified_load*``, ``ratio_unverified_*``): DCP
-checks nothing it reads, vescale's default checks every byte's crc32 before it writes any target.
+save). Loads are also timed with ``verify=False`` (``vescale_unverified_load*``, ``ratio_unverified_*``): DCP checks
+nothing it reads, vescale's default checks every byte's crc32 before it writes any target. And cold
+(``*_cold_load*``): both checkpoints evicted from the page cache before each load, as for a job's first load after a
+save that vescale wrote past the page cache (``O_DIRECT``) or after a restart; its floor, ``floor_cold_load_s``, is
+the stored bytes at dd's best 4-stream read rate, ``O_DIRECT`` or through the page cache after an eviction
+(``dd_read_buffered_4x``: the kernel's readahead keeps more requests in flight).
 
 **Model state** (``--model-state``). 4 ranks on a dp x tp = 2 x 2 mesh hold a stack of square linears (TP:
 colwise/rowwise, replicated over dp) with AdamW state; ``--size-mb`` is the unique state (parameters + exp_avg +
@@ -260,24 +262,28 @@ def _all_max(x: float) -> float:
 
 def _dd(root: str, mb: int, streams_list: tuple[int, ...] = (1, 4), block_sizes: tuple[str, ...] = ("512K", "1M", "4M")
         ) -> dict:
-    """Sequential write (O_DIRECT + fdatasync) and read (O_DIRECT) bandwidth of the disk under ``root``, GB/s: one
-    dd stream, and 4 concurrent streams writing a quarter each (the checkpoint's 4 writing ranks). Each is the best
+    """Sequential write (O_DIRECT + fdatasync) and read (O_DIRECT; ``read_buffered``: through the page cache, the
+    files evicted first) bandwidth of the disk under ``root``, GB/s: one dd stream, and 4 concurrent streams writing
+    a quarter each (the checkpoint's 4 writing ranks). Each is the best
     over dd's ``block_sizes`` (the disk's bandwidth, not one block size's: on the development machine's disk 16 MiB
     writes run 25 % slower than 1 MiB ones); ``dd_<op>[_4x]_by_block`` gives every size's figure."""
     out: dict = {}
     for streams in streams_list:
         files = [os.path.join(root, f"dd{i}.tmp") for i in range(streams)]
         suffix = "" if streams == 1 else f"_{streams}x"
-        for name in ("write", "read"):
+        for name in ("write", "read", "read_buffered"):
             by_block = {}
-            missing = name == "read" and not all(os.path.exists(f) for f in files)  # the writes failed: no reads
+            missing = name != "write" and not all(os.path.exists(f) for f in files)  # the writes failed: no reads
             for bs in () if missing else block_sizes:
                 if name == "write":  # a quarter of ``mb`` over the streams, in blocks of ``bs``
                     count = max(1, (mb << 20) // 4 // streams // (int(bs[:-1]) << (10 if bs.endswith("K") else 20)))
                     cmds = [["dd", "if=/dev/zero", f"of={f}", f"bs={bs}", f"count={count}", "oflag=direct",
                              "conv=fdatasync"] for f in files]
-                else:  # the files the last write left, to their end
+                elif name == "read":  # the files the last write left, to their end
                     cmds = [["dd", f"if={f}", "of=/dev/null", f"bs={bs}", "iflag=direct"] for f in files]
+                else:  # the same through the page cache (the kernel's readahead), evicted first
+                    _evict_files(files)
+                    cmds = [["dd", f"if={f}", "of=/dev/null", f"bs={bs}"] for f in files]
                 t0 = time.perf_counter()
                 procs = [subprocess.Popen(c, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
                          for c in cmds]
@@ -296,6 +302,16 @@ def _dd(root: str, mb: int, streams_list: tuple[int, ...] = (1, 4), block_sizes:
             if os.path.exists(f):
                 os.remove(f)
     return out
+
+
+def _evict_files(files: list[str]) -> None:
+    """Drop ``files`` from the page cache (``POSIX_FADV_DONTNEED``: clean pages, no privileges needed)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def model_state(args) -> dict:
@@ -471,15 +487,23 @@ def _timed_cpu(fn) -> tuple[float, float]:
     return time.perf_counter() - t0, _sum_all(cpu)
 
 
-def _read_twice(fn):
-    """``fn`` with the mapped local read path off: the check reads the chunks, the fill reads again (as before)."""
-    def run():
-        os.environ["VESCALE_CHECKPOINT_MMAP"] = "0"
-        try:
-            fn()
-        finally:
-            del os.environ["VESCALE_CHECKPOINT_MMAP"]
-    return run
+def _evict(*paths: str) -> None:
+    """Drop every file under ``paths`` from the page cache (``POSIX_FADV_DONTNEED``: clean pages, no privileges
+    needed), on rank 0 between barriers, so that the next load reads them from the disk."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _evict_files([os.path.join(parent, name) for path in paths for parent, _, names in os.walk(path)
+                      for name in names])
+    dist.barrier()
+
+
+def _sample_cold(samples: dict, loads: dict, paths: tuple[str, ...]) -> None:
+    """One sample of each of ``loads`` (name -> call), each after evicting ``paths`` from the page cache."""
+    for name, fn in loads.items():
+        _evict(*paths)
+        _sample(samples, name, fn)
 
 
 def _sample(samples: dict, name: str, fn) -> None:
@@ -488,8 +512,7 @@ def _sample(samples: dict, name: str, fn) -> None:
     samples.setdefault(f"{name}_cpu_s", []).append(cpu)
 
 
-def _matrix_save(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int,
-                 before: bool) -> dict:
+def _matrix_save(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int) -> dict:
     """On 4 ranks: for each layout, save and same-layout load, vescale and DCP alternating; keeps one checkpoint of
     each for the resharded loads."""
     import torch.distributed as dist
@@ -518,8 +541,9 @@ def _matrix_save(root: str, layouts: list[str], count: int, shape: tuple[int, in
             _sample(samples, "vescale_load", partial(checkpoint.load, v_path, state))
             _sample(samples, "dcp_load", partial(dcp.load, dstate, checkpoint_id=d_path))
             _sample(samples, "vescale_unverified_load", partial(checkpoint.load, v_path, state, verify=False))
-            if before:
-                _sample(samples, "vescale_read_twice_load", _read_twice(partial(checkpoint.load, v_path, state)))
+        for _ in range(repeat):
+            _sample_cold(samples, {"vescale_cold_load": partial(checkpoint.load, v_path, state),
+                                   "dcp_cold_load": partial(dcp.load, dstate, checkpoint_id=d_path)}, (v_path, d_path))
         row.update({k: statistics.median(v) for k, v in samples.items()})
         if dist.get_rank() == 0:
             row["vescale_bytes_written"], row["dcp_bytes_written"] = _bytes(v_path), _bytes(d_path)
@@ -555,8 +579,7 @@ def _clean_saves(root: str) -> None:
     dist.barrier()
 
 
-def _matrix_reshard(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int,
-                    before: bool) -> dict:
+def _matrix_reshard(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int) -> dict:
     """On 2 ranks: load each layout's checkpoints into the resharded target, vescale and DCP alternating."""
     import torch.distributed.checkpoint as dcp
 
@@ -574,9 +597,10 @@ def _matrix_reshard(root: str, layouts: list[str], count: int, shape: tuple[int,
             _sample(samples, "dcp_load_reshard", partial(dcp.load, state, checkpoint_id=d_path))
             _sample(samples, "vescale_unverified_load_reshard",
                     partial(checkpoint.load, v_path, state, verify=False))
-            if before:
-                _sample(samples, "vescale_read_twice_load_reshard",
-                        _read_twice(partial(checkpoint.load, v_path, state)))
+        for _ in range(repeat):
+            _sample_cold(samples, {"vescale_cold_load_reshard": partial(checkpoint.load, v_path, state),
+                                   "dcp_cold_load_reshard": partial(dcp.load, state, checkpoint_id=d_path)},
+                         (v_path, d_path))
         out[layout] = {k: statistics.median(v) for k, v in samples.items()}
         out[layout]["local_bytes_all_ranks"] = _sum_all(_local_bytes(state))
         state = None  # free this row's tensors before the next row's
@@ -597,8 +621,8 @@ def matrix(args) -> dict:
         raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
     root = tempfile.mkdtemp(prefix="vescale-ckpt-matrix-", dir=args.dir)
     try:
-        same = spawn(_matrix_save, 4, root, layouts, count, shape, repeat, args.before)
-        other = spawn(_matrix_reshard, 2, root, layouts, count, shape, repeat, args.before)
+        same = spawn(_matrix_save, 4, root, layouts, count, shape, repeat)
+        other = spawn(_matrix_reshard, 2, root, layouts, count, shape, repeat)
         dd = _dd(root, min(size, 1024), streams_list=(4,))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -614,7 +638,7 @@ def matrix(args) -> dict:
         row = {"layout": LAYOUTS[layout], **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}
         if layout in DCP_STAND_IN:
             row["dcp_layout"] = DCP_STAND_IN[layout]
-        for op in ("save", "load", "load_reshard"):
+        for op in ("save", "load", "load_reshard", "cold_load", "cold_load_reshard"):
             row[f"ratio_{op}"] = round(r[f"dcp_{op}_s"] / r[f"vescale_{op}_s"], 2)
             row[f"cpu_ratio_{op}"] = round(r[f"dcp_{op}_cpu_s"] / r[f"vescale_{op}_cpu_s"], 2)
         for op in ("load", "load_reshard"):  # like for like: DCP checks nothing it reads
@@ -627,6 +651,9 @@ def matrix(args) -> dict:
         row["floor_load_cpu_s"] = round(r["local_bytes_all_ranks"] / 1e9 * out["memcpy_4_ranks_cpu_s_per_GB"], 4)
         row["floor_load_reshard_cpu_s"] = round(other[layout]["local_bytes_all_ranks"] / 1e9
                                                 * out["memcpy_2_ranks_cpu_s_per_GB"], 4)
+        cold_rate = max(dd.get("dd_read_4x_GBps") or 0, dd.get("dd_read_buffered_4x_GBps") or 0)
+        if cold_rate:  # a load from a cold page cache reads every stored byte from the disk
+            row["floor_cold_load_s"] = round(state_bytes / 1e9 / cold_rate, 4)
         if dd.get("dd_write_4x_GBps"):
             row["floor_save_s"] = round(state_bytes / 1e9 / dd["dd_write_4x_GBps"], 4)
             for side in ("vescale", "dcp"):  # the share of the disk's write bandwidth each side's save reaches
@@ -645,8 +672,6 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 64 MiB state, one sample per figure (under a minute)")
     parser.add_argument("--layouts", default="", help="matrix rows to run, comma-separated (default: all)")
     parser.add_argument("--repeat", type=int, default=3, help="matrix: samples per figure (median; default 3)")
-    parser.add_argument("--before", action="store_true",
-                        help="matrix: also time vescale's loads with the mapped read path off (read twice, as before)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--step-batch", type=int, default=2,

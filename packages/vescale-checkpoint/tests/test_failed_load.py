@@ -109,7 +109,7 @@ def test_a_failed_load_changes_nothing_on_any_rank(tmp_path):
         def failing(self, name, *args):
             raise PermissionError(13, "Permission denied", self.where(name))
 
-        if rank == 1:  # reads (read_into) and the mapped local path (_open_read) both fail
+        if rank == 1:  # every read (read_into) and every local open (_open_read) fails
             _storage.Storage.read_into = _storage.Storage._open_read = failing
         try:
             with pytest.raises(CheckpointError, match=r"Permission denied.*tensor 'model\."):
@@ -152,7 +152,7 @@ def test_a_save_that_cannot_create_its_directory_on_one_rank_fails_everywhere(tm
 
 @multi_rank(world_sizes=[2])
 def test_a_damaged_byte_in_the_last_chunk_of_a_large_shard_changes_nothing(tmp_path):
-    """Shards of several checksum chunks on the mapped same-layout path: one flipped byte in the last chunk of
+    """Shards of several checksum chunks on the local same-layout path: one flipped byte in the last chunk of
     rank 1's row shard (checked by rank 1 alone), or in the last chunk of a replicated tensor (both ranks read it,
     its chunks checked by one or the other), fails the load on both ranks with every target bitwise unchanged."""
     import torch.distributed as dist

@@ -4,9 +4,9 @@ dp2 x tp2 mesh and loaded back bitwise, into the same layout, into another layou
 
 The reference is the global tensors built in one process from a seed; each rank's expected local shard is what
 torch's ``distribute_tensor`` slices out of it (no checkpoint code involved). Dtypes of item sizes 1, 2, 4 and 8
-(bool, bfloat16, float32, int64) cover every copy the mapped local read path makes, and a small checksum chunk
-gives every shard several chunks. One same-layout load also runs with the mapped path off
-(``VESCALE_CHECKPOINT_MMAP=0``, the read path the other tests also cover). vescale's own layouts (``InterleavedShard``,
+(bool, bfloat16, float32, int64) cover every copy the local read paths make, and a small checksum chunk gives every
+shard several chunks. The resharded loads on 4 ranks also run with the mapped path off (``VESCALE_CHECKPOINT_MMAP=0``:
+strided parts streamed a few rows at a time). vescale's own layouts (``InterleavedShard``,
 ``RaggedShard``) are in ``integration_tests/test_checkpoint_layout_matrix.py``.
 """
 
@@ -61,34 +61,40 @@ def _assert_local_equal(state: dict, expected: dict, what: str) -> None:
 
 
 def _save_and_load_on_4(root: str) -> None:
-    from vescale.checkpoint import _data_file
+    from vescale.checkpoint import _data_file, _local_read
+
+    chunk, piece = _data_file.CHUNK_BYTES, _local_read._PIECE_BYTES
+    _data_file.CHUNK_BYTES = 64  # several checksum chunks per shard (pooled ranks: restored below)
+    _local_read._PIECE_BYTES = 100  # parts streamed in pieces of a few rows: pieces end inside parts
+    try:
+        _save_and_load_rows(root)
+    finally:
+        _data_file.CHUNK_BYTES, _local_read._PIECE_BYTES = chunk, piece
+
+
+def _save_and_load_rows(root: str) -> None:
     from vescale.core.mesh import init_mesh
 
     mesh = init_mesh({"dp": 2, "tp": 2})
-    chunk = _data_file.CHUNK_BYTES
-    _data_file.CHUNK_BYTES = 64  # several checksum chunks per shard (pooled ranks: restored below)
-    try:
-        for row in ROWS:
-            checkpoint.save(os.path.join(root, row), _on_mesh(mesh, lambda i, r=row: placements(r, i), "ref"))
-    finally:
-        _data_file.CHUNK_BYTES = chunk
+    for row in ROWS:
+        checkpoint.save(os.path.join(root, row), _on_mesh(mesh, lambda i, r=row: placements(r, i), "ref"))
     for k, row in enumerate(ROWS):
         path = os.path.join(root, row)
         same = lambda i, r=row: placements(r, i)  # noqa: E731
         expected = _on_mesh(mesh, same, "ref")
-        for mapped in ("1", "0") if row == "mixed" else ("1",):  # the mapped path; for one row the read path too
+        state = _on_mesh(mesh, same, "zeros")
+        checkpoint.load(path, state)
+        _assert_local_equal(state, expected, (row, "same layout"))
+        next_row = ROWS[(k + 1) % len(ROWS)]
+        other = lambda i, r=next_row: placements(r, i + 1)  # noqa: E731 - another row's layout, shifted
+        for mapped in ("1", "0"):  # strided parts copied out of a mapping, then streamed
             os.environ["VESCALE_CHECKPOINT_MMAP"] = mapped
             try:
-                state = _on_mesh(mesh, same, "zeros")
+                state = _on_mesh(mesh, other, "zeros")
                 checkpoint.load(path, state)
             finally:
                 del os.environ["VESCALE_CHECKPOINT_MMAP"]
-            _assert_local_equal(state, expected, (row, "same layout", mapped))
-        next_row = ROWS[(k + 1) % len(ROWS)]
-        other = lambda i, r=next_row: placements(r, i + 1)  # noqa: E731 - another row's layout, shifted
-        state = _on_mesh(mesh, other, "zeros")
-        checkpoint.load(path, state)
-        _assert_local_equal(state, _on_mesh(mesh, other, "ref"), (row, "resharded on 4 ranks"))
+            _assert_local_equal(state, _on_mesh(mesh, other, "ref"), (row, "resharded on 4 ranks", mapped))
 
 
 def _load_on_fewer(root: str) -> None:

@@ -1,7 +1,7 @@
 """The local read path: non-contiguous parts of shards, chunked checksums shared out among readers, version 1.
 
-A rank that needs a column block of a row-major stored shard copies just those columns from the mapped file, and the
-shard's checksum chunks are each checked by exactly one of the ranks reading it; values must equal the reference
+A rank that needs a column block of a row-major stored shard copies just those columns out of the rows it reads, and
+the shard's checksum chunks are each checked by exactly one of the ranks reading it; values must equal the reference
 (the full tensors built in one process from the same seed) bitwise. Checkpoints written in format version 1 (one
 crc32 per shard) still load and verify.
 """
@@ -145,32 +145,76 @@ def test_version_1_checkpoint_loads_and_verifies(tmp_path):
         checkpoint.load(path, {k: torch.zeros_like(v) for k, v in ref.items()})
 
 
-def test_whole_shards_are_read_straight_into_their_targets(tmp_path, monkeypatch):
-    """A same-layout load reads each whole shard with one positional read into its contiguous target after the
-    check (no mapping: on a quiet machine mapping the page cache's 4 KiB pages cost more than the second read);
-    a target that is not contiguous, or a sub-box, still takes the mapped path. Values are bitwise the saved ones."""
-    from vescale.checkpoint import _local_read
+def _spy_reads(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every positional read of a local file from now on, as (offset in the file, bytes, address read into)."""
+    import numpy as np
 
+    from vescale.checkpoint import _storage
+
+    reads: list[tuple[int, int, int]] = []
+    read_into = _storage.FileReader.read_into
+
+    def spy(self, start, out):
+        reads.append((start, out.nbytes, np.frombuffer(out, dtype=np.uint8).ctypes.data))
+        return read_into(self, start, out)
+
+    monkeypatch.setattr(_storage.FileReader, "read_into", spy)
+    return reads
+
+
+def test_contiguous_parts_are_read_straight_into_their_targets(tmp_path, monkeypatch):
+    """A same-layout load reads each shard with one positional read straight into its contiguous target (after
+    the check pass); a strided target is not read into (it is copied out of a mapping) and casts (strict=False, one
+    of them 0-d) are streamed. Values are bitwise the saved ones (the casts: the saved values cast by torch)."""
     path = os.path.join(tmp_path, "ckpt")
     g = torch.Generator().manual_seed(4)
     saved = {"w": torch.randn(64, 48, generator=g), "b": torch.randn(48, generator=g),
-             "h": torch.randn(16, 8, generator=g).bfloat16()}
+             "h": torch.randn(16, 8, generator=g).bfloat16(), "c": torch.randint(-9, 9, (5, 6, 7), generator=g),
+             "s": torch.tensor(3.5)}
     checkpoint.save(path, saved)
-    mapped: list[int] = []
-    init = _local_read.MappedShard.__init__
-
-    def spy(self, storage, shard, lo, hi):
-        mapped.append(hi - lo)
-        return init(self, storage, shard, lo, hi)
-
-    monkeypatch.setattr(_local_read.MappedShard, "__init__", spy)
+    reads = _spy_reads(monkeypatch)
     state = {k: torch.zeros_like(v) for k, v in saved.items()}
-    checkpoint.load(path, state, dedup_reads=False)
-    assert mapped == []
+    checkpoint.load(path, state, dedup_reads=False, verify=False)  # no check pass: only the fill's reads
+    assert sorted(addr for _, _, addr in reads) == sorted(t.data_ptr() for t in state.values())
     for key in saved:
         assert torch.equal(state[key], saved[key]), key
-    strided = {"w": torch.zeros(48, 64).t(), "b": torch.zeros(48), "h": torch.zeros(16, 8).bfloat16()}
-    checkpoint.load(path, strided, dedup_reads=False)
-    assert mapped == [64 * 48 * 4]  # only the non-contiguous target's shard
+
+    reads.clear()
+    other = {"w": torch.zeros(48, 64).t(), "b": torch.zeros(48), "h": torch.zeros(16, 8),
+             "c": torch.zeros(5, 6, 9, dtype=torch.int64)[:, :, 1:8], "s": torch.tensor(0.0, dtype=torch.float64)}
+    assert checkpoint.load(path, other, dedup_reads=False, strict=False, verify=False).missing == []
+    direct = {addr for _, _, addr in reads} & {t.data_ptr() for t in other.values()}
+    assert direct == {other["b"].data_ptr()}, "only the contiguous target of the stored dtype is read into"
     for key in saved:
-        assert torch.equal(strided[key], saved[key]), key
+        assert torch.equal(other[key], saved[key].to(other[key].dtype)), key
+
+
+def test_parts_are_streamed_in_pieces_of_the_rows_they_cover(tmp_path, monkeypatch):
+    """``read_parts`` on two sub-boxes of one stored [64, 48] shard into transposed targets, rows [0, 2) x all
+    columns and rows [5, 40) x columns [8, 18), with pieces of 3 rows: the sub-boxes are bitwise the saved slices,
+    and the reads, each of at most 3 rows, cover rows [0, 2) and [5, 40) exactly once (the rows between the parts
+    and after them are not read)."""
+    from vescale.checkpoint import _local_read
+    from vescale.checkpoint._storage import Storage
+
+    path = os.path.join(tmp_path, "ckpt")
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(5))
+    checkpoint.save(path, {"w": w})
+    with open(os.path.join(path, "metadata.json")) as f:
+        (shard,) = json.load(f)["tensors"]["w"]["shards"]
+    row = 48 * 4
+    monkeypatch.setattr(_local_read, "_PIECE_BYTES", 3 * row + 5)
+    top, block = torch.zeros(48, 2).t(), torch.zeros(10, 35).t()
+    reads = _spy_reads(monkeypatch)
+    _local_read.read_parts(Storage(path), shard, torch.float32, [((0, 0), top), ((5, 8), block)], [])
+    assert torch.equal(top, w[:2]) and torch.equal(block, w[5:40, 8:18])
+    spans = sorted((start - shard["start"], start - shard["start"] + n) for start, n, _ in reads)
+    assert all(hi - lo <= 3 * row for lo, hi in spans) and len(spans) == 13
+    covered = []
+    for lo, hi in spans:
+        if covered and covered[-1][1] == lo:
+            covered[-1] = (covered[-1][0], hi)
+        else:
+            assert not covered or covered[-1][1] < lo, "pieces overlap"
+            covered.append((lo, hi))
+    assert covered == [(0, 2 * row), (5 * row, 40 * row)]

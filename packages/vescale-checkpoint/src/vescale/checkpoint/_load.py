@@ -6,8 +6,8 @@ the same layout again): every stored shard that anyone needs is read by exactly 
 bytes read so far, largest shards first), checked against all its chunk checksums, and the overlapping sub-boxes
 are sent point to point to the other ranks needing them; reading then proceeds in rounds of bounded size, and a
 damaged shard found by any rank fails the load on every rank. On one host with a local file system each needing rank
-instead reads just the byte span its parts cover (see :mod:`vescale.checkpoint._local_read`: whole shards read
-straight into their targets, other parts copied out of a mapping of the span), the page cache serving the repeats;
+instead reads just the byte span its parts cover (see :mod:`vescale.checkpoint._local_read`: contiguous parts read
+straight into their targets, strided ones copied out of a mapping of the span), the page cache serving the repeats;
 each checksum chunk is checked by one of the ranks that read it, so the checking is spread and no rank reads bytes
 only to check them where a rank reading them anyway can.
 
@@ -16,9 +16,10 @@ schema and the data files' sizes against the storage (:mod:`vescale.checkpoint._
 allocated from it; every rank then checks everything it will use (its checksum chunks, the decompression of its
 compressed shards, the values and the state's own constraints) before any target tensor, optimizer state or value is
 written, and the ranks agree on the outcome in one small collective on the checkpoint group (stage, then commit). On
-the local path whole shards are read to be checked, then read again straight into their targets from the page cache,
-and other parts are checked on a mapping of their span and copied out of it after the agreement; the read-once path
-stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks first and reads again.
+the local path contiguous parts are read to be checked, then read again straight into their targets from the page
+cache, and strided parts are checked on a mapping of their span and copied out of it after the agreement; the
+read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks first
+and reads again.
 Any failure raises on every rank, naming the file and the tensor, and leaves every rank's state bitwise as it was;
 errors other than corruption (a permission, a failing disk) are agreed on the same way, so no rank is left waiting
 in a collective.

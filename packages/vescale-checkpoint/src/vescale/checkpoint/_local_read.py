@@ -1,21 +1,25 @@
-"""Reading one rank's parts of one stored shard from a local file.
+"""Reading one rank's parts of one stored shard from a local file, in two passes around the ranks' agreement.
 
-Two paths. **Mapped** (:class:`MappedShard`), for parts of a raw shard into CPU targets of its dtype (a column
-block of a row-major shard, any sub-box): the byte span the rank's parts and checksum chunks cover is mapped
-read-only (``mmap``), its chunks are checked on the mapping itself, and after the ranks have agreed that every
-chunk is intact the parts are copied out of the mapping straight into their targets (strided). Each needed byte is
-read once by the checksum and copied once. Before it maps, the file is checked to hold the whole span, so no access
-to the mapping can fall past its end.
+**Read** (:func:`check_chunks_read`, then :func:`read_parts`). The checksum chunks this rank checks are read into a
+reused buffer of this thread, ``_CHECK_BYTES`` at a time (one 1 MiB chunk, so the crc32 runs on bytes in the CPU's
+cache), and checked. After the agreement, a part that is one contiguous byte range of the shard (a whole shard, a run
+of whole rows) into a contiguous CPU target of the stored dtype is read straight into its target with one
+positional read; that is every same-layout load. Any other part on this path (a cast, a target off the CPU, a strided
+part with the mapped path off) is streamed: the rows it covers are read ``_PIECE_BYTES`` at a time into the buffer and
+copied out while they are in the cache. Each file is opened once per shard and pass.
 
-**Read** (:func:`check_chunks_read`, then :func:`read_parts`): the chunks are read into a reused buffer and checked,
-and after the agreement the span is read again with one positional read, straight into the target when the part is
-the whole shard, else into a buffer that the parts are copied out of. It serves whole shards into one contiguous CPU
-target (every same-layout load), targets off the CPU or of another dtype (a cast), item sizes numpy has no integer
-for, file systems that cannot map, and every shard with ``VESCALE_CHECKPOINT_MMAP=0`` in the environment. Whole
-shards are read, not mapped, because mapping and unmapping the page cache's 4 KiB pages costs more than the
-second read: in ``tools/bench/checkpoint.py`` on a quiet machine (512 MiB, 4 ranks, the two alternating in one run)
-the same-layout loads took 2-35 % less CPU on every row of the layout matrix than with whole shards mapped (an
-earlier A/B on a machine shared with other jobs had favoured mapping them by 4-15 % on three of four rows).
+**Mapped** (:class:`MappedShard`), for strided parts (a column block of a row-major shard, a sub-box, a strided
+target) into CPU targets of the stored dtype: the byte span the parts and the checksum chunks cover is mapped
+read-only (``mmap``), the chunks are checked on the mapping, and after the agreement the parts are copied out of it
+(strided). The file is checked to hold the whole span first, so no access to the mapping can fall past its end.
+
+Why both, measured with ``tools/bench/checkpoint.py`` (512 MiB, 4 ranks, the variants alternating in one run):
+contiguous parts are read because mapping and unmapping the page cache's 4 KiB pages (9.2 + 2.1 ms per 128 MiB)
+costs more than the second read (2-35 % less CPU per same-layout load). Strided parts streamed instead of mapped
+took 0-30 % less CPU when the page cache held the files, but the first load after a save, the one every resumed job
+makes (vescale's saves bypass the page cache), was 10-30 % slower: FSDP x TP onto 2 ranks 0.27-0.35 s streamed
+against 0.24-0.27 s mapped. Mapping's populate overlaps the page-table work with the disk reads; the streamed fill
+copies only after the disk-bound check. So strided parts stay mapped (``VESCALE_CHECKPOINT_MMAP=0`` streams them).
 
 A mapped file that another process truncates during the load makes the next access to the lost pages a SIGBUS,
 which ends the process (the read path raises instead); checkpoints are written to new files and never truncated.
@@ -32,13 +36,21 @@ import numpy as np
 import torch
 
 from vescale.checkpoint._reader import check_chunks, chunk_spans, shard_nbytes
-from vescale.checkpoint._storage import Storage
+from vescale.checkpoint._storage import FileReader, Storage
 from vescale.checkpoint.errors import CorruptCheckpointError
 
 __all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read", "MappedShard", "map_parts"]
 
 _bounce = threading.local()
-_CHECK_BYTES = 16 << 20  # bytes read at a time to check chunks (whole chunks, at least one)
+# bytes read at a time to check chunks (whole chunks, at least one). 1 MiB (in the cache for the crc32) against
+# 16 MiB: the check pass of a same-layout 2-D block load (4 ranks x 128 MiB) took 9.8-10.7 ms of CPU per rank
+# against 11.2-13.2 (three alternating runs)
+_CHECK_BYTES = 1 << 20
+# bytes of rows read at a time for parts streamed into CPU targets (the piece stays in the cache while it is copied
+# out; 4 MiB against 1 MiB: 7.6 against 9.3 ms streaming half the columns of 128 MiB in one process, as each piece
+# costs some Python) and into targets off the CPU (fewer, larger host-to-device copies)
+_PIECE_BYTES = 4 << 20
+_DEVICE_PIECE_BYTES = 64 << 20
 # per item size, an integer dtype of torch and of numpy: parts are copied as these (bitwise, any dtype, bfloat16 too)
 _INT_OF_SIZE = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
                 8: (torch.int64, np.int64)}
@@ -59,39 +71,88 @@ def byte_span(offsets: tuple[int, ...], lengths: tuple[int, ...], shape: list[in
 def read_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
                parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int]) -> None:
     """Copy the sub-boxes ``parts`` ((offsets relative to the shard, target view of the sub-box's shape)) of a
-    raw-codec shard into their targets, after checking the shard's checksum ``chunks`` on the bytes read.
+    raw-codec shard into their targets, after checking the shard's checksum ``chunks`` (targets untouched when a
+    check fails).
 
-    Raises :class:`CorruptCheckpointError` naming the file when it is missing, short, or fails a checked chunk
-    (targets of this shard are then left untouched).
+    A part that is one contiguous byte range of the shard, into a contiguous CPU target of the stored dtype, is
+    read straight into the target. The others are streamed: the rows (along dimension 0) that they cover are read
+    ``_PIECE_BYTES`` at a time into this thread's reused buffer, and each part's share of the piece is copied out
+    of it (strided, cast to the target's dtype, to any device) while the piece is still in the CPU's cache.
+
+    Raises :class:`CorruptCheckpointError` naming the file when it is missing, short, or fails a checked chunk.
     """
-    shape, size = shard["lengths"], dtype.itemsize
-    spans = [byte_span(offs, tuple(t.shape), shape, size) for offs, t in parts if t.numel()]
     if chunks:
-        stored = chunk_spans(shard)
-        spans += [stored[i] for i in chunks]
-    spans = [s for s in spans if s[1] > s[0]]
-    if not spans:
-        return
-    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
-    direct = None
-    whole = _whole_shard_target(shard, parts)
-    if whole is not None and whole.dtype == dtype:
-        direct = whole.reshape(-1).view(torch.uint8)
-    buf = direct if direct is not None else _buffer(hi - lo)
-    view = memoryview(buf.numpy())
-    storage.read_into(shard["file"], shard["start"] + lo, view)
-    if chunks:
-        check_chunks(storage.where(shard["file"]), shard, _Shifted(view, lo), chunks)
-    if direct is not None:
-        return
-    flat = buf.view(dtype)
-    strides = [1] * len(shape)
-    for j in range(len(shape) - 2, -1, -1):
-        strides[j] = strides[j + 1] * shape[j + 1]
+        check_chunks_read(storage, shard, chunks)
+    with storage.reader(shard["file"]) as reader:
+        _copy_parts(reader, shard, dtype, parts)
+
+
+def _copy_parts(reader: FileReader, shard: dict[str, Any], dtype: torch.dtype,
+                parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+    """:func:`read_parts` without the check."""
+    shape, size = list(shard["lengths"]), dtype.itemsize
+    streamed = []
     for offs, target in parts:
-        if target.numel():
-            first = sum(o * s for o, s in zip(offs, strides)) - lo // size
-            target.copy_(flat.as_strided(tuple(target.shape), strides, first))
+        if not target.numel():
+            continue
+        if _reads_straight(offs, target, shape, dtype):
+            lo, _ = byte_span(offs, tuple(target.shape), shape, size)
+            reader.read_into(shard["start"] + lo, memoryview(target.detach().reshape(-1).view(torch.uint8).numpy()))
+        else:
+            streamed.append((offs, target))
+    if not streamed:
+        return
+    if not shape:  # a 0-d shard: one item
+        buf = _buffer(size)
+        reader.read_into(shard["start"], memoryview(buf.numpy()))
+        for _, target in streamed:
+            target.copy_(buf.view(dtype).reshape(()))
+        return
+    row_bytes = size
+    for n in shape[1:]:
+        row_bytes *= n
+    piece = _PIECE_BYTES if all(t.device.type == "cpu" for _, t in streamed) else _DEVICE_PIECE_BYTES
+    step = max(1, piece // row_bytes)
+    for first, last in _merged((offs[0], offs[0] + target.shape[0]) for offs, target in streamed):
+        for r0 in range(first, last, step):
+            r1 = min(r0 + step, last)
+            buf = _buffer((r1 - r0) * row_bytes)
+            reader.read_into(shard["start"] + r0 * row_bytes, memoryview(buf.numpy()))
+            rows = buf.view(dtype).view([r1 - r0] + shape[1:])
+            for offs, target in streamed:
+                a, b = max(r0, offs[0]), min(r1, offs[0] + target.shape[0])
+                if a < b:
+                    box = (slice(a - r0, b - r0),) + tuple(slice(o, o + n)
+                                                           for o, n in zip(offs[1:], target.shape[1:]))
+                    target[a - offs[0]:b - offs[0]].copy_(rows[box])
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """The union of the ``[lo, hi)`` ``ranges`` as sorted disjoint ranges (touching ones joined)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _reads_straight(offsets: tuple[int, ...], target: torch.Tensor, shape: list[int], dtype: torch.dtype) -> bool:
+    """Whether a part is read straight into its target: one contiguous byte range of the shard (see
+    :func:`_contiguous_span`) into a contiguous CPU tensor of the stored dtype."""
+    return (_contiguous_span(offsets, tuple(target.shape), shape) and target.device.type == "cpu"
+            and target.dtype == dtype and target.is_contiguous())
+
+
+def _contiguous_span(offsets: tuple[int, ...], lengths: tuple[int, ...], shape: list[int]) -> bool:
+    """Whether the sub-box (``offsets``, ``lengths``) of a row-major box of ``shape`` is one contiguous run of its
+    items: whole along every dimension after the first one it does not span whole, and one item thick along
+    every dimension before that one."""
+    d = len(shape) - 1
+    while d >= 0 and lengths[d] == shape[d]:
+        d -= 1
+    return d < 0 or all(n == 1 for n in lengths[:d])
 
 
 def check_chunks_read(storage: Storage, shard: dict[str, Any], chunks: list[int]) -> None:
@@ -102,15 +163,16 @@ def check_chunks_read(storage: Storage, shard: dict[str, Any], chunks: list[int]
     """
     spans = chunk_spans(shard)
     run: list[int] = []
-    for i in sorted(chunks) + [None]:
-        if run and (i is None or i != run[-1] + 1 or spans[i][1] - spans[run[0]][0] > _CHECK_BYTES):
-            lo, hi = spans[run[0]][0], spans[run[-1]][1]
-            view = memoryview(_buffer(hi - lo).numpy())
-            storage.read_into(shard["file"], shard["start"] + lo, view)
-            check_chunks(storage.where(shard["file"]), shard, _Shifted(view, lo), run)
-            run = []
-        if i is not None:
-            run.append(i)
+    with storage.reader(shard["file"]) as reader:
+        for i in sorted(chunks) + [None]:
+            if run and (i is None or i != run[-1] + 1 or spans[i][1] - spans[run[0]][0] > _CHECK_BYTES):
+                lo, hi = spans[run[0]][0], spans[run[-1]][1]
+                view = memoryview(_buffer(hi - lo).numpy())
+                reader.read_into(shard["start"] + lo, view)
+                check_chunks(storage.where(shard["file"]), shard, _Shifted(view, lo), run)
+                run = []
+            if i is not None:
+                run.append(i)
 
 
 class _Shifted:
@@ -200,15 +262,15 @@ class MappedShard:
 def map_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
               parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int]) -> MappedShard | None:
     """A :class:`MappedShard` of the span that ``parts`` and the checksum ``chunks`` of a raw shard cover, or None
-    when the mapped path does not apply (nothing to read, a target off the CPU or of another dtype, an item size
-    numpy cannot copy, ``VESCALE_CHECKPOINT_MMAP=0``, a file system that cannot map): the caller then reads with
-    :func:`check_chunks_read` and :func:`read_parts`, and for a whole shard into one contiguous CPU target, which
-    reads straight into the target after the check (see the module's note)."""
+    when the mapped path does not apply (nothing to read, every part read straight into its target, a target off
+    the CPU or of another dtype, an item size numpy cannot copy, ``VESCALE_CHECKPOINT_MMAP=0``, a file system that
+    cannot map): the caller then reads with :func:`check_chunks_read` and :func:`read_parts` (see the module's
+    note)."""
     if os.environ.get("VESCALE_CHECKPOINT_MMAP", "1") == "0" or dtype.itemsize not in _INT_OF_SIZE:
         return None
     if any(t.device.type != "cpu" or t.dtype != dtype for _, t in parts):  # a cast (strict=False) copies as torch
         return None
-    if _whole_shard_target(shard, parts) is not None:  # read straight into it after the check: see the module
+    if all(_reads_straight(offs, t, shard["lengths"], dtype) for offs, t in parts):  # see the module's note
         return None
     shape, size = shard["lengths"], dtype.itemsize
     spans = [byte_span(offs, tuple(t.shape), shape, size) for offs, t in parts if t.numel()]
@@ -225,15 +287,6 @@ def map_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
         return MappedShard(storage, shard, lo, hi)
     except _Unmappable:  # this file system cannot map the file: read it instead
         return None
-
-
-def _whole_shard_target(shard: dict[str, Any], parts: list[tuple[tuple[int, ...], torch.Tensor]]
-                        ) -> torch.Tensor | None:
-    """The target when ``parts`` is the whole shard into one contiguous CPU tensor, else None."""
-    if len(parts) != 1 or tuple(parts[0][1].shape) != tuple(shard["lengths"]) or any(parts[0][0]):
-        return None
-    target = parts[0][1]
-    return target if target.device.type == "cpu" and target.is_contiguous() else None
 
 
 class _Unmappable(Exception):

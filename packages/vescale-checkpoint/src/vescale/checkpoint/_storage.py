@@ -205,31 +205,63 @@ class Storage:
 
     def read_into(self, name: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``name`` from ``start``; a short file raises naming it."""
-        want = out.nbytes
-        if self.local:
+        with self.reader(name) as reader:
+            reader.read_into(start, out)
+
+    def reader(self, name: str) -> FileReader:
+        """A :class:`FileReader` of ``name``, for many reads of one file (a context manager: closes it)."""
+        return FileReader(self, name)
+
+
+class FileReader:
+    """Positional reads of one file of a :class:`Storage`: on one descriptor for a local file (opened on the first
+    read, so a missing file raises there), by byte range otherwise. Use as a context manager, which closes it."""
+
+    def __init__(self, storage: Storage, name: str) -> None:
+        self.storage, self.name, self._fd = storage, name, None
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _open(self) -> int:
+        if self._fd is None:
             try:
-                fd = self._open_read(name)
+                self._fd = self.storage._open_read(self.name)
             except FileNotFoundError:
-                raise CorruptCheckpointError(f"checkpoint data file {self.where(name)} is missing") from None
-            try:
-                done = 0
-                while done < want:
-                    n = os.preadv(fd, [out[done:done + _CHUNK]], start + done)
-                    if n <= 0:
-                        break
-                    done += n
-            finally:
-                os.close(fd)
+                where = self.storage.where(self.name)
+                raise CorruptCheckpointError(f"checkpoint data file {where} is missing") from None
+        return self._fd
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the file's bytes from ``start``; a missing or short file raises
+        :class:`CorruptCheckpointError` naming it."""
+        want, storage = out.nbytes, self.storage
+        if storage.local:
+            fd = self._open()
+            done = 0
+            while done < want:
+                n = os.preadv(fd, [out[done:done + _CHUNK]], start + done)
+                if n <= 0:
+                    break
+                done += n
         else:
             try:
-                data = self.fs.cat_file(self.path(name), start=start, end=start + want)
+                data = storage.fs.cat_file(storage.path(self.name), start=start, end=start + want)
             except FileNotFoundError:
-                raise CorruptCheckpointError(f"checkpoint data file {self.where(name)} is missing") from None
+                raise CorruptCheckpointError(f"checkpoint data file {storage.where(self.name)} is missing") from None
             done = len(data)
             out[:done] = data
         if done != want:
-            raise CorruptCheckpointError(f"checkpoint data file {self.where(name)} is truncated: expected bytes "
-                                         f"[{start}, {start + want}), the file ends at {start + done}")
+            raise CorruptCheckpointError(f"checkpoint data file {storage.where(self.name)} is truncated: expected "
+                                         f"bytes [{start}, {start + want}), the file ends at {start + done}")
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
