@@ -206,7 +206,7 @@ def test_parts_are_streamed_in_pieces_of_the_rows_they_cover(tmp_path, monkeypat
     monkeypatch.setattr(_local_read, "_PIECE_BYTES", 3 * row + 5)
     top, block = torch.zeros(48, 2).t(), torch.zeros(10, 35).t()
     reads = _spy_reads(monkeypatch)
-    _local_read.read_parts(Storage(path), shard, torch.float32, [((0, 0), top), ((5, 8), block)], [])
+    _local_read.read_parts(Storage(path), shard, torch.float32, [((0, 0), top), ((5, 8), block)])
     assert torch.equal(top, w[:2]) and torch.equal(block, w[5:40, 8:18])
     spans = sorted((start - shard["start"], start - shard["start"] + n) for start, n, _ in reads)
     assert all(hi - lo <= 3 * row for lo, hi in spans) and len(spans) == 13

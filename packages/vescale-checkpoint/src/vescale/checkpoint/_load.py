@@ -19,10 +19,9 @@ written, and the ranks agree on the outcome in one small collective on the check
 the local path contiguous parts are read to be checked, then read again straight into their targets from the page
 cache, and strided parts are checked on a mapping of their span and copied out of it after the agreement; the
 read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks first
-and reads again.
-Any failure raises on every rank, naming the file and the tensor, and leaves every rank's state bitwise as it was;
-errors other than corruption (a permission, a failing disk) are agreed on the same way, so no rank is left waiting
-in a collective.
+and reads again. Any failure raises on every rank, naming the file and the tensor, and leaves every rank's state
+bitwise as it was; errors other than corruption (a permission, a failing disk) are agreed on the same way, so no
+rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -403,7 +402,7 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
         if id(rd) in mapped:
             mapped[id(rd)].fill(dtype, parts(rd))
         elif rd.shard["codec"] == "raw":
-            read_parts(storage, rd.shard, dtype, parts(rd), [])
+            read_parts(storage, rd.shard, dtype, parts(rd))
         else:
             data = staged[id(rd)]
             for offs, target in parts(rd):

@@ -69,27 +69,24 @@ def byte_span(offsets: tuple[int, ...], lengths: tuple[int, ...], shape: list[in
 
 
 def read_parts(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
-               parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int]) -> None:
+               parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
     """Copy the sub-boxes ``parts`` ((offsets relative to the shard, target view of the sub-box's shape)) of a
-    raw-codec shard into their targets, after checking the shard's checksum ``chunks`` (targets untouched when a
-    check fails).
+    raw-codec shard into their targets, unchecked (the check pass is :func:`check_chunks_read`).
 
     A part that is one contiguous byte range of the shard, into a contiguous CPU target of the stored dtype, is
     read straight into the target. The others are streamed: the rows (along dimension 0) that they cover are read
     ``_PIECE_BYTES`` at a time into this thread's reused buffer, and each part's share of the piece is copied out
     of it (strided, cast to the target's dtype, to any device) while the piece is still in the CPU's cache.
 
-    Raises :class:`CorruptCheckpointError` naming the file when it is missing, short, or fails a checked chunk.
+    Raises :class:`CorruptCheckpointError` naming the file when it is missing or short.
     """
-    if chunks:
-        check_chunks_read(storage, shard, chunks)
     with storage.reader(shard["file"]) as reader:
         _copy_parts(reader, shard, dtype, parts)
 
 
 def _copy_parts(reader: FileReader, shard: dict[str, Any], dtype: torch.dtype,
                 parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
-    """:func:`read_parts` without the check."""
+    """:func:`read_parts` on an open reader of the shard's file."""
     shape, size = list(shard["lengths"]), dtype.itemsize
     streamed = []
     for offs, target in parts:
