@@ -202,7 +202,7 @@ def _run(ranks, world: int, cfg) -> Path:
 def _generate_on_mesh(cfg, prompt: list[int]) -> list[list[int]]:
     import sample
 
-    trainer = train.build_trainer(cfg, train.init_mesh(cfg.dims))
+    trainer = train.build_trainer(cfg)
     return sample.generate(trainer.state["model"], prompt, 12, window=16, samples=2, seed=5, pad_id=0)
 
 

@@ -85,9 +85,8 @@ def _loaded_state(cfg: train.TrainConfig) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from vescale.core.mesh import init_mesh
 
-    trainer = train.build_trainer(cfg, init_mesh(cfg.dims))
+    trainer = train.build_trainer(cfg)
     held = trainer.state["model"]
     out = {}
     for module in held if isinstance(held, list) else [held]:
@@ -98,9 +97,7 @@ def _loaded_state(cfg: train.TrainConfig) -> dict[str, torch.Tensor]:
 
 
 def _logits_one_device(cfg: train.TrainConfig, tokens: torch.Tensor) -> torch.Tensor:
-    from vescale.core.mesh import init_mesh
-
-    trainer = train.build_trainer(cfg, init_mesh(cfg.dims))
+    trainer = train.build_trainer(cfg)
     with torch.no_grad():
         return trainer.state["model"](tokens).logits
 

@@ -244,7 +244,7 @@ def test_expert_parallel_eval_and_samples_match_single_device(tmp_path, ranks):
     import json
 
     argv = ["--mesh", "dp=2,ep=2", "--model", "mixtral", "--eval-every", "3", "--sample-every", "3"]
-    train.check_fits(train.parse_args(argv, "test"), train.models.model_spec("mixtral"), 1, 2, 1)  # not refused
+    train.check_fits(train.parse_args(argv, "test"))  # not refused
     data = _markov_token_dir(tmp_path / "data")
     kw = {"model": "mixtral", "data": data, "eval_every": 3, "sample_every": 3}
     ref = ranks(_train_recording_samples, 1, _cfg("dp=1", tmp_path / "ref", **kw))[0]
@@ -526,7 +526,7 @@ def _bf16_masters_after_resume(cfg: train.TrainConfig) -> list[tuple[str, torch.
     from vescale import checkpoint
     from vescale.core.torch_internals import local_tensor
 
-    trainer = train.build_trainer(cfg, train.init_mesh(train.mesh_dims(cfg)))
+    trainer = train.build_trainer(cfg)
     checkpoint.load(cfg.resume, {**trainer.state, "progress": {"step": 0}})
     out = []
     for piece in trainer.optimizer.pieces.values():
@@ -571,7 +571,7 @@ def _train_recording_routing(cfg: train.TrainConfig) -> tuple[list[tuple[int, in
     import torch.distributed as dist
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-    dims = train.mesh_dims(cfg)
+    dims = dict(cfg.dims)
     coords, rest = {}, dist.get_rank()
     for name in reversed(list(dims)):  # the mesh's ranks in row-major order of its dims
         coords[name], rest = rest % dims[name], rest // dims[name]
@@ -653,7 +653,7 @@ def _init_state(cfg: train.TrainConfig) -> tuple[dict, int]:
     """Build the trainer of ``cfg`` on this rank; return the full value of every tensor it holds, and its init bytes."""
     from torch.distributed.tensor import DTensor
 
-    trainer = train.build_trainer(cfg, train.init_mesh(cfg.dims))
+    trainer = train.build_trainer(cfg)
     model = trainer.state["model"]  # the model, or this rank's pipeline stages
     held = {}
     for module in model if isinstance(model, list) else [model]:
@@ -730,16 +730,16 @@ def test_resume_on_another_mesh_continues_the_curve(ws_a, mesh_a, ws_b, mesh_b, 
 @pytest.mark.parametrize("argv,reason", [
     (["--mesh", "pp=8,tp=3"], "pp=8 exceeds the model's 6 layers"),
     (["--mesh", "tp=3"], "vocab_size=512 is not divisible by tp=3"),
-    (["--mesh", "dp=3"], "--batch-size 8 is not divisible by dp=3"),
-    (["--mesh", "dp=2", "--grad-accum", "3"], "--batch-size 8 is not divisible by dp=2 x --grad-accum 3"),
-    (["--mesh", "pp=2", "--grad-accum", "4"], "not divisible by 16 microbatches (4 x --grad-accum 4)"),
+    (["--mesh", "dp=3"], "batch_size 8 is not divisible by dp=3"),
+    (["--mesh", "dp=2", "--grad-accum", "3"], "batch_size 8 is not divisible by dp=2 x grad_accum 3"),
+    (["--mesh", "pp=2", "--grad-accum", "4"], "not divisible by 16 microbatches (4 x grad_accum 4)"),
     (["--mesh", "tp=2", "--seq-len", "999"], "exceeds the model's max_seq_len=256"),
-    (["--mesh", "pp=2,dp=2", "--zero", "3", "--schedule", "zb_h1"], "--zero 3 with --schedule zb_h1 is not supported"),
-    (["--mesh", "dp_replicate=2,dp_shard=2"], "is an HSDP mesh (dp_replicate x dp_shard): it needs --zero 3"),
+    (["--mesh", "pp=2,dp=2", "--zero", "3", "--schedule", "zb_h1"], "zero 3 with schedule zb_h1 is not supported"),
+    (["--mesh", "dp_replicate=2,dp_shard=2"], "is an HSDP mesh (dp_replicate x dp_shard): it needs zero 3"),
     (["--mesh", "dp=2,dp_shard=2", "--zero", "3"], "HSDP names both dp_replicate and dp_shard"),
-    (["--mesh", "tp=2", "--reduce-dtype", "bf16"], "--reduce-dtype bf16 needs --dtype bf16"),
-    (["--mesh", "cp=4", "--model", "llama", "--seq-len", "20"], "--seq-len 20 is not divisible by 2 x cp = 8"),
-    (["--mesh", "cp=2,tp=2", "--compile"], "not with ep/HSDP, --compile (cp under torch.compile"),
+    (["--mesh", "tp=2", "--reduce-dtype", "bf16"], "reduce_dtype bf16 needs dtype bf16"),
+    (["--mesh", "cp=4", "--model", "llama", "--seq-len", "20"], "seq_len 20 is not divisible by 2 x cp = 8"),
+    (["--mesh", "cp=2,tp=2", "--compile"], "not with ep/HSDP, or compile (cp under torch.compile"),
     # dp x ep evaluates and samples (test_expert_parallel_eval_and_samples_match_single_device); pp x ep, as any pp:
     (["--mesh", "pp=2,ep=2", "--model", "mixtral", "--eval-every", "3", "--sample-every", "3"],
      "--sample-every needs a mesh without pp (the pipeline engine runs training steps only)"),
@@ -759,15 +759,15 @@ def test_unknown_mesh_dimension_is_a_usage_error(capsys):
 
 @pytest.mark.parametrize("argv,reason", [
     (["--mesh", "pp=2,ep=2,tp=2"], "pp x ep x tp is not supported"),
-    (["--mesh", "pp=2,ep=2", "--schedule", "zb_h1"], "--schedule zb_h1 is not supported with pp x ep"),
+    (["--mesh", "pp=2,ep=2", "--schedule", "zb_h1"], "schedule zb_h1 is not supported with pp x ep"),
     (["--mesh", "pp=2,ep=2", "--dtype", "bf16", "--ckpt-every", "3"],
      "checkpoints (--ckpt-every, --resume) of pp x ep with --dtype bf16 are not supported yet"),
-    (["--mesh", "dp=2,ep=2", "--compile"], "--compile is not supported"),
-    (["--mesh", "dp=2,ep=2", "--zero", "3"], "--zero 3 is not supported"),
-    (["--mesh", "dp=2,ep=2", "--grad-accum", "4"], "not divisible by dp x ep x --grad-accum = 16"),
+    (["--mesh", "dp=2,ep=2", "--compile"], "ep with compile is not supported"),
+    (["--mesh", "dp=2,ep=2", "--zero", "3"], "ep with zero 3 is not supported"),
+    (["--mesh", "dp=2,ep=2", "--grad-accum", "4"], "batch_size 8 is not divisible by dp x ep=4 x grad_accum 4"),
+    (["--mesh", "ep=3"], "its 4 experts are not divisible by ep=3"),
 ])
-def test_an_expert_parallel_run_that_cannot_work_is_refused_with_its_reason(argv, reason, capsys):
+def test_an_expert_parallel_run_that_cannot_work_is_refused_with_its_reason(argv, reason):
     with pytest.raises(SystemExit) as info:
         train.main(["--model", "mixtral", *argv])
-    assert info.value.code == 2
-    assert reason in capsys.readouterr().err
+    assert reason in str(info.value)

@@ -38,11 +38,11 @@ def _run(mesh_spec: str, schedule: str, reshard_after_forward: bool, bf16: bool 
     from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh, sub_mesh
     from vescale.parallel import fully_shard_stage
-    from vescale.parallel.zero3 import bf16_policy, zero3_dp_mesh
+    from vescale.parallel.zero3 import bf16_policy, zero3_mesh
     from vescale.pipe import PipeEngine
 
     mesh = init_mesh(mesh_spec)
-    pp, dp = sub_mesh(mesh, "pp"), zero3_dp_mesh(mesh)
+    pp, dp = sub_mesh(mesh, "pp"), zero3_mesh(mesh)
     dp_rank = dp.get_coordinate()[0] * dp.shape[-1] + dp.get_coordinate()[-1] if dp.ndim == 2 else dp.get_local_rank()
     dp_ranks = dp.size()
     g = torch.Generator().manual_seed(1)

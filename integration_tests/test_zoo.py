@@ -8,7 +8,7 @@ CI's budget on 2 cores, so CI runs a fixed sample: the architectures of the regr
 (Llama with the default cache, GPT-NeoX's per-head fused qkv, Qwen3, OPT, Starcoder2, Llama-4's MoE whose dp x tp
 gradients were wrong through a nested view, Mamba's sequence mixer) plus every eighth
 architecture of transformers' own sorted list (the sample moves with transformers' list, it is not hand-picked).
-``python tools/zoo.py`` runs all of it and writes the table into the plan README.
+``python tools/zoo.py`` runs all of it and writes the table into docs/zoo.md.
 
 Asserted: no architecture gives a wrong result (``mismatch``), every outcome other than pass carries its reason, and
 the regression architectures pass on both meshes under ``auto_plan``, with and without sequence parallelism.

@@ -4,24 +4,23 @@ the model and the batch (made before any rank starts, so a bad mesh is one clear
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 import models
 
-from vescale.core.mesh import parse_mesh_spec
+from vescale.core.mesh import CANONICAL_DIM_ORDER, parse_mesh_spec
+from vescale.plan.spec import DTYPES, ParallelSpec, SpecError
 
-__all__ = ["DTYPES", "HSDP_DIMS", "INITS", "LR_SCHEDULES", "TrainConfig", "check_fits", "dp_dims", "parse_args"]
+__all__ = ["INITS", "LR_SCHEDULES", "TrainConfig", "check_fits", "lr_at", "parallel_spec", "parse_args"]
 
 INITS = ("deferred", "eager")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype / --reduce-dtype -> torch dtype name
-HSDP_DIMS = ("dp_replicate", "dp_shard")  # the mesh dims of HSDP (vescale.parallel.zero3.HSDP_DIMS)
-
-
-def dp_dims(dims: dict) -> int:
-    """Data-parallel ranks of a parsed mesh: ``dp``, or ``dp_replicate x dp_shard`` (HSDP); the batch is split over
-    all of them."""
-    return dims.get("dp", 1) * dims.get(HSDP_DIMS[0], 1) * dims.get(HSDP_DIMS[1], 1)
 LR_SCHEDULES = ("cosine", "linear", "constant")
+#: TrainConfig fields that are ParallelSpec fields of another name (the rest share their names)
+SPEC_FIELDS = {"dims": "mesh", "microbatches": "microbatches", "zero": "zero", "dtype": "dtype",
+               "reduce_dtype": "reduce_dtype", "schedule": "schedule", "grad_accum": "grad_accum",
+               "sequence_parallel": "sequence_parallel", "compile": "compile",
+               "activation_checkpointing": "activation_checkpointing", "split_points": "split_points"}
 
 
 @dataclass
@@ -69,131 +68,87 @@ class TrainConfig:
     # flight recorder: no call sites, but no per-op cost)
     export_hf: str | None = None  # directory: the trained model as from_pretrained loads it (+ config, tokenizer)
     peak_tflops: float = 0.0  # one device's peak (dense, the run's dtype) for the MFU figure; 0: no MFU
+    spec: str | None = None  # a ParallelSpec JSON file (vescale.plan); its fields replace the parallelism flags
+    tp_plan: str | None = None  # "auto" or a vescale.parallel.PLANS family; None: the model family's hand plan
+    split_points: list | None = None  # module FQNs starting pipeline stages 1..; None: balanced by parameters
     dims: dict = field(default_factory=dict)
 
 
-def check_fits(cfg: TrainConfig, spec: models.ModelSpec, pp: int, dp: int, tp: int) -> None:
-    """Refuse (SystemExit naming every reason) a mesh that does not fit the model or the batch."""
-    problems = []
-    if cfg.batch_size % dp:
-        problems.append(f"--batch-size {cfg.batch_size} is not divisible by dp={dp}")
-    if cfg.grad_accum < 1:
-        problems.append(f"--grad-accum {cfg.grad_accum} must be at least 1")
-    elif cfg.batch_size % (dp * cfg.grad_accum):
-        problems.append(f"--batch-size {cfg.batch_size} is not divisible by dp={dp} x --grad-accum {cfg.grad_accum} "
-                        f"(each micro-step takes an equal slice of every dp rank's rows)")
-    # with pp, --grad-accum N multiplies the microbatches of the one engine step (train.microbatches)
-    elif pp > 1 and (cfg.batch_size // max(dp, 1)) % ((cfg.microbatches or 2 * pp) * cfg.grad_accum):
-        problems.append(f"the per-dp-rank batch {cfg.batch_size // dp} is not divisible by "
-                        f"{(cfg.microbatches or 2 * pp) * cfg.grad_accum} microbatches ("
-                        + (f"{cfg.microbatches or 2 * pp} x --grad-accum {cfg.grad_accum})" if cfg.grad_accum > 1
-                           else "--microbatches, by default 2 x pp)"))
-    if pp > spec.n_layer:
-        problems.append(f"pp={pp} exceeds the model's {spec.n_layer} layers")
-    problems += [f"model {cfg.model}: {what}={n} is not divisible by tp={tp}" for what, n in spec.divisible.items()
+def parallel_spec(cfg: TrainConfig) -> ParallelSpec:
+    """The ``vescale.plan.ParallelSpec`` of ``cfg``'s parallelism flags (the tp plan: ``cfg.tp_plan``, else the
+    model family's hand plan, else ``auto``)."""
+    fields = {spec_name: getattr(cfg, name) for name, spec_name in SPEC_FIELDS.items()}
+    return ParallelSpec(**fields, tp_plan=cfg.tp_plan or models.plan_family(cfg.model))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``--warmup`` steps to ``--lr``, then ``--lr-schedule``: cosine or linear decay to
+    ``--min-lr`` (default a tenth of ``--lr``) reached at the last step, or constant at ``--lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    floor = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    left = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    return floor + (cfg.lr - floor) * left
+
+
+def check_fits(cfg: TrainConfig) -> ParallelSpec:
+    """The run's parallelism spec; refuse (SystemExit naming every reason) one that cannot be built, or that does not
+    fit the model or the batch. Made before any rank starts: no process group, no model weights."""
+    spec = parallel_spec(cfg)
+    problems = spec.problems(batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    shape = models.model_spec(cfg.model)
+    pp, tp, ep = spec.size("pp"), spec.size("tp"), spec.size("ep")
+    numeric = {"--steps": (cfg.steps, 1), "--batch-size": (cfg.batch_size, 1), "--seq-len": (cfg.seq_len, 1),
+               "--warmup": (cfg.warmup, 0), "--ckpt-every": (cfg.ckpt_every, 0), "--eval-every": (cfg.eval_every, 0),
+               "--sample-every": (cfg.sample_every, 0), "--trace-steps": (cfg.trace_steps, 0),
+               "--collective-ring": (cfg.collective_ring, 0)}
+    problems += [f"{flag} {value} must be at least {least}" for flag, (value, least) in numeric.items()
+                 if value < least]
+    for flag, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay), ("--clip", cfg.clip),
+                        ("--peak-tflops", cfg.peak_tflops)):
+        if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
+            problems.append(f"{flag} {value} must be a finite number " + ("above 0" if flag == "--lr" else ">= 0"))
+    if pp > shape.n_layer:
+        problems.append(f"pp={pp} exceeds the model's {shape.n_layer} layers")
+    problems += [f"model {cfg.model}: {what}={n} is not divisible by tp={tp}" for what, n in shape.divisible.items()
                  if n % tp]
-    if cfg.sequence_parallel and cfg.seq_len % tp:
-        problems.append(f"--seq-len {cfg.seq_len} is not divisible by tp={tp} (sequence parallel)")
-    if cfg.seq_len > spec.max_seq_len:
-        problems.append(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len={spec.max_seq_len}")
-    if cfg.init not in INITS:
-        problems.append(f"--init {cfg.init!r} is not one of {list(INITS)}")
+    if ep > 1 and not shape.experts:
+        problems.append(f"ep={ep} needs a model with experts; {cfg.model} has none (e.g. --model mixtral)")
+    elif ep > 1 and shape.experts % ep:
+        problems.append(f"model {cfg.model}: its {shape.experts} experts are not divisible by ep={ep}")
+    if cfg.seq_len > shape.max_seq_len:
+        problems.append(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len={shape.max_seq_len}")
     for flag, n in (("--eval-every", cfg.eval_every), ("--sample-every", cfg.sample_every)):
         if n and pp > 1:
             problems.append(f"{flag} needs a mesh without pp (the pipeline engine runs training steps only)")
+        if n and spec.size("cp") > 1:
+            problems.append(f"{flag} needs a mesh without cp (the cp model takes training rows only)")
         if n and cfg.data == "markov":
             problems.append(f"{flag} needs real text (--data PATH or the default stdlib), not --data markov")
     if cfg.eval_every and not 0 < cfg.heldout < 1:
         problems.append(f"--eval-every needs a held-out split: --heldout {cfg.heldout} must lie in (0, 1)")
-    problems += _precision_and_sharding_problems(cfg, pp)
-    problems += _context_parallel_problems(cfg)
+    if pp > 1 and ep > 1 and cfg.dtype != "fp32" and (cfg.ckpt_every or cfg.resume):
+        problems.append(f"checkpoints (--ckpt-every, --resume) of pp x ep with --dtype {cfg.dtype} are not "
+                        "supported yet (the fp32 masters of the stages' plain [E / ep, ...] experts, moved into the "
+                        "global tensors by vescale.parallel.expert_state, are untested); fp32 ones are")
     problems += models.pretrained_problems(cfg.model)
     if cfg.export_hf and not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         problems.append(f"--export-hf needs a Hugging Face model (a model directory or one of "
                         f"{sorted(models.HF_MODELS)}); {cfg.model} has no transformers class")
-    if cfg.lr_schedule not in LR_SCHEDULES:
-        problems.append(f"--lr-schedule {cfg.lr_schedule!r} is not one of {list(LR_SCHEDULES)}")
     if cfg.min_lr is not None and not 0 <= cfg.min_lr <= cfg.lr:
         problems.append(f"--min-lr {cfg.min_lr} must lie in [0, --lr {cfg.lr}]")
     if problems:
-        raise SystemExit("train.py: the mesh does not fit the model or batch:\n  " + "\n  ".join(problems))
+        raise SystemExit("train.py: the run cannot start:\n  " + "\n  ".join(dict.fromkeys(problems)))
+    return spec
 
 
-def _context_parallel_problems(cfg: TrainConfig) -> list[str]:
-    """What refuses a ``cp`` mesh dim (``vescale.parallel.context_parallel``) in ``cfg``."""
-    cp = cfg.dims.get("cp", 1)
-    if cp == 1:
-        return []
-    problems = []  # (the built-in GPTs run through their causal_attention hook, transformers models as they are)
-    if cfg.seq_len % (2 * cp):
-        problems.append(f"--seq-len {cfg.seq_len} is not divisible by 2 x cp = {2 * cp} (each sequence is cut into "
-                        f"2 x cp chunks, a head and a tail per cp rank)")
-    other = sorted(set(cfg.dims) - {"pp", "dp", "cp", "tp"})
-    # pp x cp x tp: a tp-sharded captured stage hands the cp attention operator DTensors sharded by heads, which it
-    # takes (DTensor strategies registered in vescale.parallel.context_parallel); ZeRO 3 shards over dp x cp.
-    if other or cfg.compile or cfg.eval_every or cfg.sample_every:
-        problems.append(f"--mesh {cfg.mesh}: cp composes with pp, dp and tp (ZeRO 0-3, bf16, --grad-accum, activation "
-                        f"checkpointing) in train.py; not with {', '.join(other) or 'ep/HSDP'}, --compile (cp under "
-                        f"torch.compile is not verified against one device yet), --eval-every or --sample-every")
-    return problems
+def _schedules() -> list[str]:
+    from vescale.pipe.schedule import schedule_names
 
-
-def _precision_and_sharding_problems(cfg: TrainConfig, pp: int) -> list[str]:
-    """What refuses ``--dtype``, ``--reduce-dtype``, ``--zero 3`` and the HSDP mesh dims in ``cfg``."""
-    problems, dims = [], cfg.dims
-    for flag, value in (("--dtype", cfg.dtype), ("--reduce-dtype", cfg.reduce_dtype)):
-        if value not in DTYPES:
-            problems.append(f"{flag} {value!r} is not one of {list(DTYPES)}")
-    if cfg.reduce_dtype != "fp32" and cfg.dtype == "fp32":
-        problems.append(f"--reduce-dtype {cfg.reduce_dtype} needs --dtype bf16 (fp32 parameters reduce in fp32)")
-    hsdp = [n for n in HSDP_DIMS if n in dims]
-    if hsdp and (len(hsdp) != 2 or "dp" in dims):
-        problems.append(f"--mesh {cfg.mesh}: HSDP names both {' and '.join(HSDP_DIMS)} (replicas of ZeRO-3 shard "
-                        f"groups) instead of dp, e.g. dp_replicate=2,dp_shard=2,tp=2")
-    elif hsdp and cfg.zero != 3:
-        problems.append(f"--mesh {cfg.mesh} is an HSDP mesh ({' x '.join(HSDP_DIMS)}): it needs --zero 3 (for ZeRO "
-                        f"{cfg.zero} name one dp={dims[HSDP_DIMS[0]] * dims[HSDP_DIMS[1]]} instead)")
-    if cfg.zero == 3 and pp > 1 and cfg.schedule in ("zb_h1", "zbv"):  # (the built-ins with BI / BW actions)
-        problems.append(f"--zero 3 with --schedule {cfg.schedule} is not supported: FSDP2 reduce-scatters a stage's "
-                        "gradients in autograd hooks that a split backward (BI / BW) does not reach; use gpipe, 1f1b "
-                        "or interleaved_1f1b, or --zero 1 or 2")
-    return problems
-
-
-def _expert_parallel_problems(cfg: TrainConfig) -> list[str]:
-    """What refuses an ``ep`` mesh dim in ``cfg`` (each reason named): ep composes with dp and tp (ZeRO 0-2, bf16,
-    --grad-accum, activation checkpointing, --eval-every, --sample-every) and with pp (pp x [dp x] ep: ZeRO 0-2, bf16,
-    activation checkpointing of each stage as one region)."""
-    dims, problems = cfg.dims, []
-    ep, dp, pp = dims.get("ep", 1), dims.get("dp", 1), dims.get("pp", 1)
-    other = sorted(set(dims) - {"pp", "dp", "ep", "tp"})
-    if other:
-        problems.append(f"it composes with pp, dp and tp in train.py, not with {', '.join(other)}")
-    if cfg.zero == 3:
-        problems.append("--zero 3 is not supported (FSDP2 shards every parameter over dp, not composed with the "
-                        "experts' Shard(0) over ep); use --zero 1 or 2")
-    if cfg.compile:
-        problems.append("--compile is not supported (untested: the token dispatch's split sizes are data-dependent)")
-    # --eval-every / --sample-every: dp x ep [x tp] splits held-out rows as training rows (each ep rank its own part)
-    # and samples the same rows on every rank in lockstep (tools/evaluate.py); pp x ep is refused by check_fits, as
-    # every pp mesh is (the pipeline engine runs training steps only)
-    rows = dp * ep * cfg.grad_accum * ((cfg.microbatches or 2 * pp) if pp > 1 else 1)
-    if cfg.batch_size % rows:
-        problems.append(f"--batch-size {cfg.batch_size} is not divisible by dp x ep x --grad-accum"
-                        + (" x microbatches" if pp > 1 else "") + f" = {rows} (each ep rank runs its own rows)")
-    if pp > 1:
-        if dims.get("tp", 1) > 1:
-            problems.append("pp x ep x tp is not supported (a captured stage's tp DTensors would reach the experts' "
-                            "dispatch operator, which takes plain tensors)")
-        if cfg.schedule in ("zb_h1", "zbv"):
-            problems.append(f"--schedule {cfg.schedule} is not supported with pp x ep (its split backward would "
-                            "re-run the experts' operator, all-to-alls included, in the weight pass); use gpipe, "
-                            "1f1b or interleaved_1f1b")
-        if cfg.dtype != "fp32" and (cfg.ckpt_every or cfg.resume):
-            problems.append(f"checkpoints (--ckpt-every, --resume) of pp x ep with --dtype {cfg.dtype} are not "
-                            "supported yet (the fp32 masters of the stages' plain [E / ep, ...] experts, moved into "
-                            "the global tensors by vescale.parallel.expert_state, are untested); fp32 ones are")
-    return problems
+    return schedule_names()
 
 
 def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
@@ -226,7 +181,8 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
                         "checkpoints); fp32 gradient accumulation and reduction unless --reduce-dtype bf16")
     p.add_argument("--reduce-dtype", default=d.reduce_dtype, choices=list(DTYPES),
                    help="with --dtype bf16: the dtype dp gradients are accumulated and reduced in")
-    p.add_argument("--schedule", default=d.schedule, help="pipeline schedule (pp > 1)")
+    p.add_argument("--schedule", default=d.schedule, help="pipeline schedule (pp > 1): one of "
+                   + ", ".join(_schedules()))
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="per step (pp > 1); 0: 2 x pp")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum,
                    help="micro-steps per optimizer step, each over 1/N of the batch, dp gradients reduced once\n"
@@ -279,17 +235,35 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
                    help="collectives each rank records (op, mesh dim, call site) for the hang diagnosis. Default 0:\n"
                         "none; the diagnosis then reads torch's flight recorder (no call sites). The ring is a\n"
                         "dispatch mode on every op: +10%% to +73%% of a CPU step of a small model; off under --compile")
+    p.add_argument("--tp-plan", default=None, metavar="PLAN",
+                   help="the tensor-parallel plan: auto (vescale.plan.auto_plan) or a family of\n"
+                        "vescale.parallel.PLANS (default: the model family's hand plan, else auto)")
+    p.add_argument("--split-points", default=None, type=lambda text: [s for s in text.split(",") if s],
+                   metavar="FQN[,FQN]", help="module FQNs starting pipeline stages 1.. (default: balanced by\n"
+                                             "parameter count)")
+    p.add_argument("--spec", default=None, metavar="FILE",
+                   help="a parallelism spec (JSON: vescale.plan.ParallelSpec.to_json, e.g. the planner's choice,\n"
+                        "auto_parallelize(...).report.spec()): its mesh, ZeRO stage,\n"
+                        "dtypes, tp plan, schedule, microbatches, split points, grad-accum, activation\n"
+                        "checkpointing and compile replace those flags")
     args = p.parse_args(argv)
     cfg = TrainConfig(**vars(args))
+    if cfg.spec is not None:
+        try:
+            spec = ParallelSpec.from_json(open(cfg.spec).read())
+        except (OSError, SpecError) as exc:
+            p.error(f"--spec {cfg.spec}: {exc}")
+        for name, spec_name in SPEC_FIELDS.items():
+            setattr(cfg, name, getattr(spec, spec_name))
+        cfg.mesh = ",".join(f"{k}={v}" for k, v in spec.mesh.items())
+        cfg.tp_plan = spec.tp_plan
+        return cfg
     try:
         cfg.dims = parse_mesh_spec(cfg.mesh)
     except ValueError as exc:
         p.error(str(exc))
-    unsupported = sorted(set(cfg.dims) - {"pp", "dp", "cp", "tp", "ep", *HSDP_DIMS})
+    unsupported = sorted(set(cfg.dims) - set(CANONICAL_DIM_ORDER))
     if unsupported:
         p.error(f"--mesh {cfg.mesh}: dimension(s) {unsupported} are not supported by train.py (use pp, dp, cp, tp, "
-                f"ep; HSDP: {', '.join(HSDP_DIMS)} instead of dp)")
-    ep = cfg.dims.get("ep", 1)
-    if ep > 1 and _expert_parallel_problems(cfg):
-        p.error(f"--mesh {cfg.mesh}: expert parallelism (ep): " + "; ".join(_expert_parallel_problems(cfg)))
+                f"ep; HSDP: dp_replicate, dp_shard instead of dp)")
     return cfg

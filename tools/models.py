@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "HF_MODELS", "MODELS", "ModelSpec", "model_spec", "create", "tp_plan",
+__all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "HF_MODELS", "MODELS", "ModelSpec", "model_spec", "create", "plan_family",
+           "tp_plan",
            "is_hf_dir", "hf_config", "hf_weight_names", "tied_names", "pretrained_problems", "stored_names",
            "load_pretrained",
-           "load_sharded", "matmul_params", "flops_per_token", "has_tokenizer", "export_pretrained"]
+           "load_sharded", "matmul_params", "flops_per_token", "has_tokenizer", "export_pretrained", "export_run"]
 
 
 @dataclass
@@ -202,6 +203,7 @@ class ModelSpec:
     max_seq_len: int
     divisible: dict  # quantities tensor parallelism splits, name -> size
     attn_width: int = 0  # heads x head dim: the width of the q.k and attention.v products (the FLOPs formula)
+    experts: int = 0  # experts per MoE layer (0: a dense model)
 
 
 def is_hf_dir(name: str) -> bool:
@@ -242,7 +244,8 @@ def model_spec(name: str) -> ModelSpec:
                      vocab_size=c.vocab_size, ffn=ffn)
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
     positions = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
-    return ModelSpec(c.vocab_size, layers, positions, divisible, heads * head_dim)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+    return ModelSpec(c.vocab_size, layers, positions, divisible, heads * head_dim, experts)
 
 
 def create(name: str) -> nn.Module:
@@ -260,6 +263,15 @@ def create(name: str) -> nn.Module:
     config = getattr(transformers, config_cls)(**fields, use_cache=False, tie_word_embeddings=False,
                                                attn_implementation="eager")
     return getattr(transformers, model_cls)(config)
+
+
+def plan_family(name: str) -> str:
+    """The tensor-parallel plan of model ``name`` as a ``vescale.plan.ParallelSpec`` names it: its family's hand plan
+    (``vescale.parallel.PLANS``; a directory's family is its config's ``model_type``), else ``"auto"``."""
+    from vescale.parallel import PLANS
+
+    family = hf_config(name).model_type if is_hf_dir(name) else name.split("-")[0]
+    return family if family in PLANS else "auto"
 
 
 def tp_plan(name: str, tp_mesh, sequence_parallel: bool, model: nn.Module | None = None) -> dict:
@@ -574,3 +586,23 @@ def export_pretrained(ckpt: str, out_dir: str, name: str, tokenizer: str | None 
 
         files += AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
     return files
+
+
+def export_run(cfg, model_state, out: Path, log=print) -> None:
+    """``--export-hf DIR``: the trained weights as a directory ``from_pretrained`` loads; collective. Every rank saves
+    the model part it holds (``model_state``: a vescale checkpoint under ``out``, any mesh, replicas written once),
+    rank 0 converts it (:func:`export_pretrained`: config.json, and the tokenizer of ``--tokenizer`` or of the model
+    directory when it has one) and removes the checkpoint."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from vescale import checkpoint
+
+    tmp = out / "export-hf-ckpt"
+    checkpoint.save(tmp, {"model": model_state})
+    if dist.get_rank() == 0:
+        tokenizer = getattr(cfg, "tokenizer", None) or (cfg.model if has_tokenizer(cfg.model) else None)
+        export_pretrained(str(tmp), cfg.export_hf, cfg.model, tokenizer)
+        shutil.rmtree(tmp)
+        log(f"exported the model to {cfg.export_hf}" + (f" with the tokenizer of {tokenizer}" if tokenizer else ""))

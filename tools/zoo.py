@@ -1,5 +1,5 @@
 """The zoo sweep: every decoder-only causal LM of the installed ``transformers``, planned by ``auto_plan`` and run
-against one device on CPU ranks; writes the table into the plan README.
+against one device on CPU ranks; writes the table into docs/zoo.md.
 
     python tools/zoo.py                          # tp=2 and dp=2 x tp=2, every architecture, both plan sources
     python tools/zoo.py --mesh tp=2 --only llama,gpt_neox --no-write
@@ -21,7 +21,7 @@ from vescale.core.mesh import parse_mesh_spec
 from vescale.plan.zoo import ZooResult, run_zoo, zoo_architectures, zoo_table
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "packages" / "vescale-plan" / "README.md"
+README = ROOT / "docs" / "zoo.md"
 BEGIN, END = "<!-- zoo table: written by tools/zoo.py -->", "<!-- end of zoo table -->"
 
 
@@ -33,7 +33,7 @@ def main() -> None:
                         help="plan sources: auto_plan (its defaults), auto_plan+sp (sequence_parallel=True), "
                              "transformers (the model's own TP plan, where it has one)")
     parser.add_argument("--json", default="zoo.json", help="where to write the results as JSON")
-    parser.add_argument("--no-write", action="store_true", help="do not rewrite the table in the plan README")
+    parser.add_argument("--no-write", action="store_true", help="do not rewrite the table in docs/zoo.md")
     parser.add_argument("--from-json", help="write the table of an earlier run's JSON instead of running")
     args = parser.parse_args()
     meshes = [parse_mesh_spec(m) for m in (args.mesh or ["tp=2", "dp=2,tp=2"])]

@@ -126,7 +126,7 @@ def _rank_dp(cfg: dict) -> dict:
 
     torch.set_num_threads(cfg["threads"])
     mesh = init_mesh(f"pp={cfg['pp']},dp={cfg['dp']}")
-    pp_mesh, dp_mesh = sub_mesh(mesh, "pp"), sub_mesh(mesh, "dp")
+    pp_mesh, data_mesh = sub_mesh(mesh, "pp"), sub_mesh(mesh, "dp")
     P, M, mb, seq = cfg["pp"], cfg["microbatches"], cfg["microbatch_size"], cfg["seq"]
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=cfg["vocab"], d_model=cfg["d_model"], n_layer=cfg["layers"], n_head=8,
@@ -136,13 +136,13 @@ def _rank_dp(cfg: dict) -> dict:
     flat_stage = split(model, num_stages=P, example_inputs=(example,))[s]
     ddp_stage = split(copy.deepcopy(model), num_stages=P, example_inputs=(example,))[s]  # its own parameters
     flat = PipeEngine({s: flat_stage}, pp_mesh, num_stages=P, num_microbatches=M, loss_fn=cross_entropy,
-                      dp_group=dp_mesh.get_group())
+                      dp_group=data_mesh.get_group())
     overlapped = PipeEngine({s: ddp_stage}, pp_mesh, num_stages=P, num_microbatches=M, loss_fn=cross_entropy)
     wrappers: list = []
     overlapped.wrap_stages(lambda index, stage, late: wrappers.append(DistributedDataParallel(
-        stage, dp_mesh, bucket_size_mb=cfg["bucket_mb"], late_params=late, wait_in_backward=False)) or wrappers[-1])
+        stage, data_mesh, bucket_size_mb=cfg["bucket_mb"], late_params=late, wait_in_backward=False)) or wrappers[-1])
     ddp = wrappers[0]
-    g = torch.Generator().manual_seed(1 + dp_mesh.get_local_rank())  # each dp rank its own rows
+    g = torch.Generator().manual_seed(1 + data_mesh.get_local_rank())  # each dp rank its own rows
     x = torch.randint(0, cfg["vocab"], (M * mb, seq), generator=g)
     y = torch.randint(0, cfg["vocab"], (M * mb, seq), generator=g)
     engines = (flat, overlapped)

@@ -235,3 +235,133 @@ def test_async_save_fails_when_a_parameter_changes_before_its_copy(tmp_path):
     loaded = _full(fresh)
     for k in before:
         assert torch.equal(loaded[k], before[k]), k
+
+
+@multi_rank(world_sizes=[2])
+def test_async_save_fails_when_a_parameter_changes_through_data_before_its_copy(tmp_path):
+    """Rank 0 changes parameters through ``.data`` (which version counters do not see: a plain parameter, and the
+    local tensor of a DTensor one) while their copy is pending: the copy's fingerprint differs from the one taken in
+    ``save``, the save fails on every rank naming both tensors, and the previous checkpoint still loads, bitwise."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from vescale import checkpoint
+    from vescale.checkpoint.errors import CheckpointError
+
+    m, opt = _parallel(0)
+    torch.manual_seed(0)
+    head = nn.Linear(8, 4)  # plain (not DTensor) parameters
+    opt2 = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    _train(m, opt, 1)
+    state = {"model": m, "head": head, "optim": opt, "optim2": opt2}
+    path = os.path.join(tmp_path, "ckpt")
+    checkpoint.save(path, state)
+    before = _full(state)
+    undo = _slow_background_copy(0.5)
+    try:
+        handle = checkpoint.save(path, state, async_save=True)
+        if dist.get_rank() == 0:
+            head.weight.data.mul_(0)
+            m[2].weight.to_local().data.mul_(0)
+        with pytest.raises(CheckpointError, match=r"head\.weight, model\.2\.weight\..*wait_snapshot"):
+            handle.wait()
+    finally:
+        undo()
+    m2, o2 = _parallel(1)
+    head2 = nn.Linear(8, 4)
+    fresh = {"model": m2, "head": head2, "optim": o2, "optim2": torch.optim.AdamW(head2.parameters())}
+    checkpoint.load(path, fresh)
+    loaded = _full(fresh)
+    for k in before:
+        assert torch.equal(loaded[k], before[k]), k
+
+
+def test_fingerprint_sees_changes_a_plain_sum_misses():
+    """Block sums see a word moved to another block and top-bit flips in two blocks (both leave the plain sum of
+    the words as it was), every sign flipped, and one bit flipped in the unaligned bytes at either end; equal bytes
+    at the same offset modulo 8 of other storages give equal fingerprints."""
+    import torch
+
+    from vescale.checkpoint._snapshot import fingerprint
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(fingerprint(a), fingerprint(b)))
+
+    base = torch.randn(4099, generator=torch.Generator().manual_seed(0))
+    src = base[3:4098]  # starts 12 bytes into its storage: 4 unaligned bytes at the head, 4 at the tail
+    other = torch.zeros(4099)
+    other[1:4096].copy_(src)  # 4 bytes into its storage: the same offset modulo 8
+    assert same(src, other[1:4096])
+
+    def changed(edit):
+        t = src.clone()  # its own storage, offset 0: no unaligned bytes
+        edit(t)
+        return t
+
+    def move(t):  # swap two words 200 words apart: the total of the words stays
+        w = t[:-1].view(torch.int64)
+        w[0], w[200] = w[200].clone(), w[0].clone()
+
+    def top_bits(t):  # the top bit of a word in two blocks: +2**63 twice, 0 modulo 2**64
+        w = t[:-1].view(torch.int64)
+        w[0] ^= -(2**63)
+        w[300] ^= -(2**63)
+
+    for edit in (move, top_bits):
+        t = changed(edit)
+        assert t[:-1].view(torch.int64).sum() == src.clone()[:-1].view(torch.int64).sum(), "a plain sum would see it"
+        assert not same(t, src.clone()), edit.__name__
+    assert not same(changed(lambda t: t.neg_()), src.clone())
+    for index in (0, -1):  # the unaligned head and tail bytes
+        flipped = other.clone()
+        flipped.view(torch.int32)[1:4096][index] ^= 1
+        assert not same(flipped[1:4096], src), index
+
+
+def test_async_save_of_misaligned_and_strided_parameters(tmp_path):
+    """Parameters that are views copied in the background with a fingerprint: one 4 bytes into a flat buffer (its
+    slot is shifted to the same offset modulo 8), and a column block whose rows start 4 bytes off a word (read as
+    rows, each with unaligned head and tail bytes); unchanged, they commit as they were. A strided parameter whose
+    last dim is not contiguous is copied before ``save`` returns, so a ``.data`` change after it does not reach the
+    checkpoint. A ``.data`` change of the first's first element (in its head bytes) and of one element in a middle
+    row of the column block (in that row's tail bytes) fails the save naming both."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from vescale import checkpoint
+    from vescale.checkpoint._snapshot import fingerprint_rows
+    from vescale.checkpoint.errors import CheckpointError
+
+    torch.manual_seed(0)
+    flat = torch.randn(1 + 999 + 3)
+    m = nn.Module()
+    m.a = nn.Parameter(flat[1:1000])
+    m.b = nn.Parameter(torch.randn(16, 8).t())
+    m.c = nn.Parameter(torch.randn(6, 300)[:, 3:7])
+    assert m.a.storage_offset() == 1 and not m.b.is_contiguous() and not m.c.is_contiguous()
+    assert (fingerprint_rows(m.a), fingerprint_rows(m.b), fingerprint_rows(m.c)) == (1, None, 6)
+    state = {"m": m, "optim": torch.optim.SGD(m.parameters(), lr=0.1)}
+    at_save = {k: v.clone() for k, v in m.state_dict().items()}
+    undo = _slow_background_copy(0.3)
+    try:
+        handle = checkpoint.save(os.path.join(tmp_path, "a"), state, async_save=True)
+        assert not handle.snapshot_done()
+        m.b.data.mul_(0)
+        flat.data[0] = 7.0  # the bytes before the piece's: not in its fingerprint
+        handle.wait()
+        handle = checkpoint.save(os.path.join(tmp_path, "b"), state, async_save=True)
+        m.a.data[0] += 1.0
+        m.c.data[2, 3] += 1.0
+        with pytest.raises(CheckpointError, match=r"2 tensors .*: m\.a, m\.c\. "):
+            handle.wait()
+    finally:
+        undo()
+    fresh = nn.Module()
+    fresh.a, fresh.b, fresh.c = (nn.Parameter(torch.zeros(999)), nn.Parameter(torch.zeros(8, 16)),
+                                 nn.Parameter(torch.zeros(6, 4)))
+    checkpoint.load(os.path.join(tmp_path, "a"), {"m": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=0.1)})
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, at_save[k]), k

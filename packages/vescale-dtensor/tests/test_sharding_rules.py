@@ -180,8 +180,9 @@ def _copy_into_partial():
         dst[:, 1] = distribute_tensor(value, mesh, src_placements)  # the write RecurrentGemma's scan makes
         want = base.clone()
         want[:, 1] = value
+        where = f"dst {dst_placements} <- src {src_placements}"
         torch.testing.assert_close(dst.full_tensor(), want, rtol=1e-6, atol=1e-6,
-                                   msg=lambda m: f"dst {dst_placements} <- src {src_placements}: {m}")
+                                   msg=lambda m, where=where: f"{where}: {m}")
     dist.barrier()
 
 
@@ -189,34 +190,6 @@ def test_copy_into_partial_matches_single_device():
     """An indexed write of a sharded tensor into a partial one (torch has no Shard -> Partial redistribution): the
     result's full tensor is the plain write's, for sum and avg partials on a 2x2 mesh."""
     run_on_ranks(_copy_into_partial, 4)
-
-
-def _uneven_views():
-    import torch
-
-    from vescale.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh, strict
-
-    mesh = init_device_mesh("cpu", (2, 2))
-    g = torch.Generator().manual_seed(11)
-    cases = [  # (shape, placements, view size): torch refuses each, the shard of a dim the view splits is uneven
-        ((4, 4, 8, 15), [Shard(2), Shard(0)], (4, 4, 15, 8)),  # XLNet's relative-attention shift on dp x tp
-        ((3, 3, 4), [Shard(0), Replicate()], (9, 4)),  # 3 rows over 2 ranks, flattened
-        ((4, 6, 5), [Replicate(), Shard(1)], (4, 3, -1)),  # a kept dim 0 and a split of the sharded dim 1
-    ]
-    for shape, placements, size in cases:
-        x = torch.randn(*shape, generator=g)
-        d = distribute_tensor(x, mesh, placements)
-        out = d.view(size)
-        where = f"{shape} {placements} -> {size}"
-        torch.testing.assert_close(out.full_tensor(), x.view(size), rtol=0, atol=0, msg=lambda m: f"{where}: {m}")
-        with strict(), pytest.raises(RuntimeError, match="unevenly sharded"):
-            d.view(size)
-
-
-def test_uneven_view_gathers_outside_strict_mode():
-    """A view that splits or merges an unevenly sharded dim (torch refuses it) equals the plain view outside strict
-    mode (the dim is gathered first) and keeps torch's error in strict mode."""
-    run_on_ranks(_uneven_views, 4)
 
 
 def _interleaved_splits():

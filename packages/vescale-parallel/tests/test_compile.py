@@ -85,7 +85,8 @@ def _check(kind: str, mesh_dims: dict):
     parallelize_module(comp, mesh, plan)
     compile_parallel(comp, backend="aot_eager")
     blocks = compiled_blocks(comp)
-    assert blocks == ["model.layers.0", "model.layers.1"] if kind == "llama" else ["layers.0", "layers.1"], blocks
+    expected_blocks = ["model.layers.0", "model.layers.1"] if kind == "llama" else ["layers.0", "layers.1"]
+    assert blocks == expected_blocks, blocks
     r = mesh.get_local_rank("dp") if dp > 1 else 0
     group = mesh.get_group("dp") if dp > 1 else None
     g = torch.Generator().manual_seed(1)

@@ -75,12 +75,12 @@ def test_hsdp_and_bf16_fully_shard_match_single_device():
 
     from vescale.core.mesh import init_mesh, mesh_coordinates
     from vescale.parallel.errors import Zero3Error
-    from vescale.parallel.zero3 import bf16_policy, fully_shard_dp, zero3_dp_mesh
+    from vescale.parallel.zero3 import bf16_policy, fully_shard_dp, zero3_mesh
 
-    with pytest.raises(Zero3Error, match="HSDP needs both"):
-        zero3_dp_mesh(init_mesh({"dp_shard": 4}))
-    with pytest.raises(Zero3Error, match="HSDP needs both"):
-        zero3_dp_mesh(init_mesh({"dp": 2, "dp_shard": 2}))
+    with pytest.raises(Zero3Error, match="HSDP names both"):
+        zero3_mesh(init_mesh({"dp_shard": 4}))
+    with pytest.raises(Zero3Error, match="HSDP names both"):
+        zero3_mesh(init_mesh({"dp": 2, "dp_shard": 2}))
 
     mesh = init_mesh({"dp_replicate": 2, "dp_shard": 2})
     at = mesh_coordinates(mesh)

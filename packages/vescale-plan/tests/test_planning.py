@@ -92,9 +92,9 @@ def test_opaque_module_is_paired_by_shape():
     trace = trace_model(model)
     plan = plan_from_trace(trace, ["tp"], {"tp": 2}, sequence_parallel=True)
     roles = _roles(plan)
-    if "model.layers.0.mlp.experts" in trace.opaque:
-        assert roles["model.layers.0.mlp.experts.gate_up_proj"] == ("[IS(1, 2)]", "column")
-        assert roles["model.layers.0.mlp.experts.down_proj"] == ("[S(2)]", "row")
+    assert "model.layers.0.mlp.experts" in trace.opaque, trace.opaque  # the premise: the trace cannot see inside
+    assert roles["model.layers.0.mlp.experts.gate_up_proj"] == ("[IS(1, 2)]", "column")
+    assert roles["model.layers.0.mlp.experts.down_proj"] == ("[S(2)]", "row")
     assert roles["model.layers.0.mlp.gate.weight"][1] == "replicated"  # the router
     assert plan_from_trace(trace, ["tp"], {"tp": 32}).decisions  # 48 % 32 != 0: replicated, no error
     assert _roles(plan_from_trace(trace, ["tp"], {"tp": 32}))["model.layers.0.mlp.experts.down_proj"][1] \

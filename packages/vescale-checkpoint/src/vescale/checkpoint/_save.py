@@ -10,8 +10,10 @@ visible atomically; the replaced save's files are then deleted in the background
 In an async save, the tensors that only an optimizer step changes in place (trainable parameters and optimizer
 state) are copied on the background thread, while the caller goes on with its next forward and backward; every
 ``torch.optim`` optimizer's ``step()`` waits until that copy is done first (a global step pre-hook), and a tensor
-found changed in place before it was copied fails the save (the previous checkpoint stays). Everything else
-(buffers, plain tensors, values) is copied before ``save`` returns.
+found changed in place before it was copied (its version counter moved, or its copy's bytes differ from the
+fingerprint taken before ``save`` returned, which catches writes through ``.data``) fails the save (the previous
+checkpoint stays). Everything else (buffers, plain tensors, values, strided pieces) is copied before ``save``
+returns.
 
 This module runs a save (the collective agreement, the background thread, the optimizer-step fence, committing);
 the steps live in their own modules: :mod:`._save_plan` (who writes which box), :mod:`._snapshot` (copying to host
@@ -96,9 +98,10 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = F
     ``async_save=True`` it returns once the writers are planned and this rank's buffers, plain tensors and values are
     snapshotted to host memory; trainable parameters and optimizer state are copied in the background, and the
     next ``optimizer.step()`` of any ``torch.optim`` optimizer in this process waits for that copy. Changing those
-    tensors in place any other way before ``handle.wait_snapshot()`` returns fails the save (a changed version
-    counter is detected; the previous checkpoint stays). The handle's ``wait()`` blocks until the checkpoint is
-    committed (a later ``save`` or ``load`` waits for it first).
+    tensors in place any other way before ``handle.wait_snapshot()`` returns fails the save (a moved version counter,
+    or bytes that differ from a fingerprint taken before ``save`` returns, as a write through ``.data`` leaves them;
+    the previous checkpoint stays). The handle's ``wait()`` blocks until the checkpoint is committed (a later
+    ``save`` or ``load`` waits for it first).
     ``compress=True`` stores each tensor zstd-compressed. ``threads``: I/O threads per rank (default: the host's
     CPUs divided among its ranks, 1 to 8). The checkpoint becomes visible only when complete; a
     previous checkpoint at ``path`` stays loadable until then and its data files are deleted after.

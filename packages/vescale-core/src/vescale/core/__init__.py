@@ -2,7 +2,8 @@
 
 - :mod:`vescale.core.launch`: start ranks locally (``spawn``) or join torchrun's (``init_distributed``).
 - :mod:`vescale.core.mesh`: named device meshes in canonical order (``init_mesh``, ``sub_mesh``) and the resolution
-  of a mesh dimension, given by name, to its sub-mesh or process group (``dim_mesh``, ``dim_group``).
+  of a mesh dimension, given by name, to its sub-mesh or process group (``dim_mesh``, ``dim_group``); the one owner
+  of mesh roles (``MeshRoles.of(mesh)``: which ranks split the batch, average gradients, hold expert replicas).
 - :mod:`vescale.core.blocks`: a model's repeated blocks (``find_blocks``), for compile, ZeRO 3 and pipeline splits.
 - :mod:`vescale.core.comm`: the one collective counter (``count_comms``: calls and bytes per collective, per mesh dim).
 - :mod:`vescale.core.watchdog`: collective timeouts that name the missing rank (``watch_collectives``).
@@ -18,7 +19,17 @@ from __future__ import annotations
 from vescale.core.errors import CollectiveTimeoutError, MeshError, PlanError, RankError, RankTimeoutError, VescaleError
 from vescale.core.fqn import PlanMatch, match_plan
 from vescale.core.launch import init_distributed, spawn
-from vescale.core.mesh import dim_group, dim_mesh, dim_size, init_mesh, mesh_coordinates, parse_mesh_spec, sub_mesh
+from vescale.core.mesh import (
+    MeshRole,
+    MeshRoles,
+    dim_group,
+    dim_mesh,
+    dim_size,
+    init_mesh,
+    mesh_coordinates,
+    parse_mesh_spec,
+    sub_mesh,
+)
 
 __all__ = [
     "VescaleError",
@@ -38,4 +49,6 @@ __all__ = [
     "mesh_coordinates",
     "dim_mesh",
     "dim_group",
+    "MeshRole",
+    "MeshRoles",
 ]

@@ -15,7 +15,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from vescale.dtensor import random
 from vescale.dtensor.api import distribute_tensor, from_local, full_tensor, redistribute
 from vescale.dtensor.deferred import adopt_deferred, deferred_init, is_deferred, materialize, record_deferred
-from vescale.dtensor.errors import CompiledRandomError, DeferredInitError, PlacementError, StrictRedistributeError
+from vescale.dtensor.errors import (
+    CompiledRandomError,
+    DeferredInitError,
+    PlacementError,
+    StrictRedistributeError,
+    ViewRedistributeError,
+)
 from vescale.dtensor.placements import InterleavedShard, RaggedShard, as_interleaved, is_interleaved
 from vescale.dtensor.strict import CommCounter, count_comms, is_strict, strict
 
@@ -46,6 +52,7 @@ __all__ = [
     "random",
     "PlacementError",
     "StrictRedistributeError",
+    "ViewRedistributeError",
     "DeferredInitError",
     "CompiledRandomError",
 ]

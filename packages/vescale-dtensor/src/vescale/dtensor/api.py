@@ -157,7 +157,9 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
     Same contract as torch's ``distribute_tensor`` (data of mesh coordinate ``src_data_rank`` wins; ``None`` slices
     locally without communication), plus validation that raises :class:`PlacementError` before any collective, and
-    ``RaggedShard`` and uneven ``InterleavedShard`` (broadcast from the source, then sliced locally).
+    ``RaggedShard`` and uneven ``InterleavedShard`` (broadcast from the source, then sliced locally). For every
+    placement the result is a new autograd leaf that requires grad exactly when ``tensor`` does (as torch's is for
+    ``Shard``): its ``.grad`` after a backward is the gradient's local piece; ``tensor`` itself gets no gradient.
     """
     _torch_hooks.install()
     mesh = device_mesh
@@ -167,11 +169,14 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     placements = validate_placements(tensor.shape, mesh, placements, what="distribute_tensor input")
     if any(isinstance(p, (RaggedShard, _StridedShard)) for p in placements):
         # torch scatters only even _StridedShard pieces and knows nothing of RaggedShard: broadcast and slice.
+        data = tensor.detach()
         if src_data_rank is not None:
-            tensor = tensor.detach().clone().contiguous()
-            dist.broadcast(tensor, src=int(mesh.mesh.reshape(-1)[src_data_rank]), group=mesh_group(mesh))
-        local = local_slice(tensor.detach(), mesh, placements).requires_grad_(tensor.requires_grad)
-        return from_local(local, mesh, placements, shape=tensor.shape, stride=contiguous_stride(tensor.shape))
+            data = data.clone().contiguous()
+            dist.broadcast(data, src=int(mesh.mesh.reshape(-1)[src_data_rank]), group=mesh_group(mesh))
+        # built from a local piece that takes no gradient, so the DTensor is a leaf (no from_local node above it)
+        out = from_local(local_slice(data, mesh, placements), mesh, placements, shape=tensor.shape,
+                         stride=contiguous_stride(tensor.shape))
+        return out.requires_grad_(tensor.requires_grad)
     return _torch_distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
 
 

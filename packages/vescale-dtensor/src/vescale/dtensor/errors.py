@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from vescale.core.errors import VescaleError
 
-__all__ = ["PlacementError", "StrictRedistributeError", "DeferredInitError", "CompiledRandomError", "CheckpointReplayError"]
+__all__ = ["PlacementError", "ViewRedistributeError", "StrictRedistributeError", "DeferredInitError",
+           "CompiledRandomError", "CheckpointReplayError"]
 
 
 class PlacementError(VescaleError, ValueError):
     """A placement does not fit the tensor or mesh it is used with (shape, dim, divisibility, local shape)."""
+
+
+class ViewRedistributeError(PlacementError, RuntimeError):
+    """A view op (``view`` and the ``flatten``/``unflatten``/``reshape`` calls that become one, ``squeeze``,
+    ``unsqueeze``, ``permute``, ``transpose``, ``expand``) on a DTensor cannot be computed as a view of each rank's
+    local tensor: it would need a redistribution, whose result is a copy, not an alias of the input. Raised on every
+    rank during sharding propagation, before any collective. A ``RuntimeError`` like torch's own refusal of such views
+    (torch's dispatcher re-raises it as a ``RuntimeError`` whose ``__cause__`` it is)."""
 
 
 class StrictRedistributeError(VescaleError, RuntimeError):

@@ -6,6 +6,7 @@ Two ragged DTensors are compatible when they have the same mesh, placements and 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 
@@ -13,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from vescale.core import torch_internals
 from vescale.dtensor.errors import PlacementError
+from vescale.dtensor.layout import local_slice
 from vescale.dtensor.placements import RaggedShard
 
 __all__ = ["ragged_full_tensor", "ragged_map", "ragged_norm", "ragged_total_norm"]
@@ -27,14 +30,38 @@ def _ragged_dim(dtensor: DTensor) -> tuple[int, RaggedShard]:
 
 
 def ragged_full_tensor(dtensor: DTensor) -> torch.Tensor:
-    """All-gather a ragged DTensor into the global tensor on every rank (one padded ``all_gather``; no autograd)."""
+    """All-gather a ragged DTensor into the global tensor on every rank (one padded ``all_gather``).
+
+    Differentiable: the backward of the gathered tensor's gradient is this rank's piece of it, placed like
+    ``dtensor`` (no communication: every rank holds the whole gradient, as for torch's ``full_tensor``)."""
+    _ragged_dim(dtensor)
+    return _RaggedFullTensor.apply(dtensor)
+
+
+class _RaggedFullTensor(torch.autograd.Function):
+    """The gather of :func:`ragged_full_tensor` as an autograd function (torch's ``to_local`` backward rejects
+    ``RaggedShard``, so the gradient is wrapped with the input's spec directly)."""
+
+    @staticmethod
+    def forward(ctx, dtensor: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = torch_internals.dtensor_spec(dtensor)
+        return _gather(dtensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        spec = ctx.spec
+        local = local_slice(grad, spec.mesh, spec.placements).contiguous()
+        return DTensor(local, copy.copy(spec), requires_grad=False)
+
+
+def _gather(dtensor: DTensor) -> torch.Tensor:
     mesh_dim, p = _ragged_dim(dtensor)
     mesh = dtensor.device_mesh
     shape = tuple(dtensor.shape)
     unit = p.unit_len(shape)
     inner = math.prod(shape[len(p.dims):])
     max_rows = max(p.local_units) * unit
-    local = dtensor.to_local().detach().reshape(-1)
+    local = torch_internals.local_tensor(dtensor).detach().reshape(-1)
     padded = torch.zeros(max_rows * inner, dtype=local.dtype, device=local.device)
     padded[: local.numel()] = local
     out = torch.empty(mesh.size(mesh_dim) * padded.numel(), dtype=local.dtype, device=local.device)

@@ -31,9 +31,9 @@ local generator, which would not reproduce the single-device result (vescale's c
 
 * ``aten.view`` of a DTensor whose local tensor is laid out in memory differently from its declared strides: the
   local tensor is re-laid as declared and the view retried (see :func:`_view_of_relaid`), instead of failing with
-  "view size is not compatible with input tensor's size and stride". A view that flattens or splits an unevenly
-  sharded dim (torch refuses: "Cannot flatten/unflatten unevenly sharded tensor") is, outside strict mode, computed
-  on the tensor gathered along that dim (see :func:`_placements_through_view`).
+  "view size is not compatible with input tensor's size and stride". Nothing else is retried: a view that flattens
+  or splits an unevenly sharded dim is refused (torch's "is not evenly divisible by mesh dimension"), never computed
+  on a gathered copy, which would not alias its input.
 
 * ``aten.split`` / ``aten.split_with_sizes`` of an ``InterleavedShard`` dim at its chunk boundaries (GPT-2's fused
   ``c_attn`` output into q, k, v): local, each piece ``Shard`` (see :func:`_split_interleaved`); torch's rule gathers
@@ -45,7 +45,6 @@ reached through :mod:`vescale.core.torch_internals`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -63,7 +62,6 @@ from vescale.core.torch_internals import (
 from vescale.core.torch_internals import StridedShard as _StridedShard
 from vescale.dtensor.layout import relaid_as_declared, smallest_shard
 from vescale.dtensor.placements import InterleavedShard
-from vescale.dtensor.strict import is_strict
 
 __all__ = ["ATTENTION_DROPOUT_ERROR", "install"]
 
@@ -227,7 +225,10 @@ def _view_of_relaid(op_call, args: tuple, kwargs: dict):
     declares a contiguous result while the local kernel follows the gradient's memory order. Such a tensor is
     viewable by its declared strides but not locally, so ``reshape`` (which autograd's ``ViewBackward`` and model code
     call) takes the view path and fails on the local tensor. Here the local tensor is then laid out as declared (a
-    copy; the values are the same) and viewed; a view that is invalid for the declared strides too still raises.
+    copy; the values are the same, no communication) and viewed; a view that is invalid for the declared strides too
+    still raises. No other failure is retried: a view that cannot be a view of the local shards (an unevenly sharded
+    dim split or merged) raises torch's refusal as :class:`~vescale.dtensor.ViewRedistributeError`
+    (:mod:`vescale.dtensor.view_rules`), it is never computed on a gathered copy.
     """
     with _torch_path(op_call, _view_of_relaid):
         try:
@@ -237,10 +238,6 @@ def _view_of_relaid(op_call, args: tuple, kwargs: dict):
                 raise
             if "view size is not compatible" in str(e):
                 return op_call(relaid_as_declared(args[0]), *args[1:], **kwargs)
-            if "unevenly sharded" in str(e) and not is_strict():
-                placements = _placements_through_view(args[0], args[1])
-                if placements is not None:
-                    return op_call(args[0].redistribute(args[0].device_mesh, placements), *args[1:], **kwargs)
             raise
 
 
@@ -256,40 +253,28 @@ def _torch_path(op_call, handler: Callable) -> Iterator[None]:
         handlers[op_call] = handler
 
 
-def _placements_through_view(t: DTensor, size) -> list | None:
-    """Placements of ``t`` that a view to ``size`` can keep: a shard of an input dim the view leaves whole (same
-    size, same elements before it) stays, a shard of a dim the view splits or merges becomes replicated. None when
-    nothing would change. Used when torch refuses to flatten or unflatten an unevenly sharded dim: outside strict mode
-    the tensor is then gathered on those mesh dims and viewed, as the plain op computes (more communication, same
-    values); in strict mode torch's error stands."""
-    shape = tuple(t.shape)
-    size = [int(n) for n in size]
-    if -1 in size:
-        known = math.prod(n for n in size if n != -1)
-        size[size.index(-1)] = math.prod(shape) // known if known else 0
-    whole = set()
-    for d, n in enumerate(shape):
-        before = math.prod(shape[:d])
-        if any(size[j] == n and math.prod(size[:j]) == before for j in range(len(size))):
-            whole.add(d)
-    placements = [Replicate() if p.is_shard() and p.dim not in whole else p for p in t.placements]
-    return None if placements == list(t.placements) else placements
-
-
 def _copy_into_partial(op_call, args: tuple, kwargs: dict):
-    """``dst.copy_(src)`` where ``dst`` is partial on some mesh dim and ``src`` is laid out otherwise.
+    """``dst.copy_(src)`` where ``dst`` is partial on some mesh dim and ``src`` (a DTensor on the same mesh) is
+    placed otherwise or has another shape (broadcasting).
 
     torch would redistribute ``src`` to ``dst``'s placements, which has no ``Shard -> Partial`` path. Any value is a
-    valid partial of itself: ``src`` is gathered to replicated on the dims where ``dst`` is partial (kept as ``dst``
-    has it elsewhere) and each rank writes its part: the whole value on the first rank of a ``sum`` dim and zeros on
-    the others; the whole value everywhere for ``avg``, ``max`` and ``min``. Every other copy takes torch's path.
+    valid partial of itself: ``src`` is redistributed to the placements :func:`_broadcast_source_placements` gives
+    (``Replicate`` where ``dst`` is partial, ``dst``'s shards aligned to ``src``'s dims elsewhere), so each rank's
+    local ``src`` broadcasts exactly onto its local ``dst``, and each rank writes its part: the value on the first rank
+    of a ``sum`` dim and zeros on the others; the value everywhere for ``avg``, ``max`` and ``min``. The result's
+    full tensor is what ``copy_`` gives on one device. A ``src`` that does not broadcast to ``dst``'s global shape
+    raises ``RuntimeError`` (as on one device) on every rank before any collective. Every other copy takes torch's
+    path.
     """
     dst, src = args[0], args[1]
     if (isinstance(dst, DTensor) and isinstance(src, DTensor) and src.device_mesh == dst.device_mesh
-            and any(p.is_partial() for p in dst.placements) and tuple(src.placements) != tuple(dst.placements)):
+            and any(p.is_partial() for p in dst.placements)
+            and (tuple(src.placements) != tuple(dst.placements) or src.shape != dst.shape)):
         mesh = dst.device_mesh
-        whole = src.redistribute(mesh, [Replicate() if p.is_partial() else p for p in dst.placements])
-        part = torch_internals.local_tensor(whole)
+        targets = _broadcast_source_placements(dst, src)  # validates from global metadata: before any collective
+        from vescale.dtensor.api import redistribute  # api imports this module's installer
+
+        part = torch_internals.local_tensor(redistribute(src, mesh, targets))
         for dim, placement in enumerate(dst.placements):
             if placement.is_partial() and placement.reduce_op == "sum" and mesh.get_local_rank(dim) != 0:
                 part = torch.zeros_like(part)
@@ -297,6 +282,50 @@ def _copy_into_partial(op_call, args: tuple, kwargs: dict):
         return dst
     with _torch_path(op_call, _copy_into_partial):
         return op_call(*args, **kwargs)
+
+
+def _broadcast_source_placements(dst: DTensor, src: DTensor) -> list:
+    """The placements to give ``src`` so that each rank's local piece broadcasts onto its local piece of ``dst``
+    (placed as it is, partial on some mesh dims).
+
+    Broadcasting aligns trailing dims: ``dst`` dim ``d`` is ``src`` dim ``d - (dst.ndim - src.ndim)``. A mesh dim
+    that shards ``dst`` dim ``d`` shards that ``src`` dim alike (same ``Shard`` or interleaved split factor, so the
+    local sizes agree, uneven ones included), unless ``src`` lacks the dim or has size 1 there (it broadcasts:
+    ``Replicate``); partial and replicated mesh dims of ``dst`` take ``src`` replicated. Raises ``RuntimeError`` when
+    ``src``'s global shape does not broadcast to ``dst``'s and :class:`PlacementError` for a ``dst`` placement other
+    than ``Shard``, ``InterleavedShard``, ``Replicate`` or ``Partial``; both depend on global shapes and placements
+    only, so every rank raises alike.
+    """
+    from vescale.dtensor.errors import PlacementError
+
+    mesh = dst.device_mesh
+    where = (f"aten.copy_ into a DTensor of global shape {tuple(dst.shape)} placed {tuple(dst.placements)} from one "
+             f"of global shape {tuple(src.shape)} placed {tuple(src.placements)} on mesh {tuple(mesh.shape)} "
+             f"(dims {mesh.mesh_dim_names})")
+    try:
+        broadcast = tuple(torch.broadcast_shapes(tuple(src.shape), tuple(dst.shape)))
+    except RuntimeError as e:
+        raise RuntimeError(f"{where}: the source does not broadcast to the destination: {e}") from e
+    if broadcast != tuple(dst.shape):
+        raise RuntimeError(f"{where}: the source does not broadcast to the destination (broadcast shape {broadcast})")
+    offset = dst.ndim - src.ndim
+    targets: list = []
+    for mesh_dim, p in enumerate(dst.placements):
+        if p.is_partial() or isinstance(p, Replicate):
+            targets.append(Replicate())
+            continue
+        if not isinstance(p, (Shard, _StridedShard)):
+            raise PlacementError(f"{where}: mesh dim {mesh_dim} of the destination is placed {p!r}; only Shard, "
+                                 f"InterleavedShard, Replicate and Partial are supported")
+        d = p.dim + dst.ndim if p.dim < 0 else p.dim
+        s = d - offset
+        if s < 0 or src.shape[s] == 1:
+            targets.append(Replicate())  # src broadcasts along dst dim d: every rank needs all of it
+        elif isinstance(p, _StridedShard):
+            targets.append(_StridedShard(s, split_factor=torch_internals.split_factor(p)))
+        else:
+            targets.append(Shard(s))
+    return targets
 
 
 def _split_interleaved(op_call, args: tuple, kwargs: dict):

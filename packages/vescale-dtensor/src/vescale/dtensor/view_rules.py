@@ -48,6 +48,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from vescale.core import torch_internals
+from vescale.core.errors import VescaleError
 from vescale.core.torch_internals import (
     Broadcast,
     DTensorSpec,
@@ -68,11 +69,11 @@ from vescale.core.torch_internals import (
 )
 from vescale.core.torch_internals import StridedShard as _StridedShard
 from vescale.core.torch_internals import view_ops as _view_ops
-from vescale.dtensor.errors import PlacementError
+from vescale.dtensor.errors import PlacementError, ViewRedistributeError
 from vescale.dtensor.layout import local_dim_indices, local_shape
 from vescale.dtensor.placements import RaggedShard
 
-__all__ = ["propagate_strided_view", "VIEW_OPS", "RAGGED_REFUSED", "install"]
+__all__ = ["propagate_strided_view", "VIEW_OPS", "ALIAS_VIEW_OPS", "RAGGED_REFUSED", "install"]
 
 aten = torch.ops.aten
 
@@ -214,6 +215,16 @@ def propagate_strided_view(placements: Sequence[Placement], in_shape: Sequence[i
         if placement is not None:
             tgt[mesh_dim], out[mesh_dim] = placements[mesh_dim], placement
     return tgt, out
+
+
+#: The view-family ops that return an alias of their input on one device. Their strategy never redistributes the
+#: input: where no output placement is a view of each rank's local tensor they raise :class:`ViewRedistributeError`
+#: (a gathered copy would not alias the input). ``reshape``, ``_unsafe_view`` (reshape's copy path: a view of a fresh
+#: clone), ``view_copy``, ``expand_copy`` and ``repeat`` copy on one device too and may redistribute.
+ALIAS_VIEW_OPS: frozenset[OpOverload] = frozenset({
+    aten.view.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
+    aten.permute.default, aten.transpose.int, aten.expand.default,
+})
 
 
 #: Shape ops whose torch strategy would pass a ``RaggedShard`` through as if it were ``Replicate`` (wrong values or a
@@ -368,8 +379,95 @@ def _replicate_reshaped(placements: Sequence[Placement], rule: Sequence) -> list
 
 def _view_strategy(op: OpOverload, dim_map_fn: Callable, strict_view: bool, torch_strategy: Callable
                    ) -> Callable[[OpSchema], StrategyType]:
-    dim_map = _view_ops.dim_maps[dim_map_fn]
+    """The strategy of view-family ``op``: vescale's rules (interleaved inputs, nested shards) around torch's.
 
+    For ``strict_view`` ops (torch refuses to redistribute their input) a refusal by torch's rule is raised as
+    :class:`ViewRedistributeError` with torch's reason; for :data:`ALIAS_VIEW_OPS` a strategy that would redistribute
+    the input is refused the same way (see :func:`_refuse_copying_view`)."""
+    dim_map = _view_ops.dim_maps[dim_map_fn]
+    placed = _placed_view_strategy(op, dim_map, strict_view, torch_strategy)
+
+    def strategy(op_schema: OpSchema) -> StrategyType:
+        try:
+            result = placed(op_schema)
+        except RuntimeError as e:
+            if not strict_view or isinstance(e, VescaleError):
+                raise
+            raise ViewRedistributeError(f"{op}: {_describe_input(op_schema)}: {e}") from e
+        if op in ALIAS_VIEW_OPS:
+            _refuse_copying_view(op, op_schema, result, dim_map)
+        return result
+
+    return strategy
+
+
+def _describe_input(op_schema: OpSchema) -> str:
+    """``global shape ... placed ... on mesh ... (dims ...), args ...`` for the input of a view-family op."""
+    input_strategy = op_schema.args_schema[0]
+    args = tuple(op_schema.args_schema[1:])
+    if not isinstance(input_strategy, OpStrategy):
+        return f"args {args}"
+    spec = input_strategy.strategies[0].output_spec
+    mesh = spec.mesh
+    return (f"input of global shape {tuple(input_strategy.shape)} placed {tuple(spec.placements)} on mesh "
+            f"{tuple(mesh.shape)} (dims {mesh.mesh_dim_names}), args {args}")
+
+
+def _why_not_local(p: Placement, mesh_dim: int, mesh_size: int, in_shape: Sequence[int], rule: Sequence | None
+                   ) -> str:
+    """Why the shard ``p`` (on mesh dim ``mesh_dim`` of ``mesh_size``) cannot stay put through the view ``rule``."""
+    if not isinstance(p, (Shard, _StridedShard)):
+        return "not a shard"
+    n = int(in_shape[p.dim])
+    if isinstance(p, _StridedShard):
+        sf = torch_internals.split_factor(p)
+        if n % sf == 0 and (n // sf) % mesh_size:
+            return (f"input dimension {p.dim} (size {n}) is {sf} interleaved chunks of {n // sf}, a size that is "
+                    f"not evenly divisible by mesh dimension {mesh_dim} (size {mesh_size})")
+    elif n % mesh_size:
+        return (f"input dimension {p.dim} (size {n}) is not evenly divisible by mesh dimension {mesh_dim} "
+                f"(size {mesh_size})")
+    group = _group_of(rule, p.dim) if rule is not None else None
+    if group is not None and len(group[1]) > 1:
+        sizes = group[2]
+        for out_dim, size in zip(group[1], sizes):
+            if size % mesh_size:
+                return (f"output dimension {out_dim} (size {size}) is not evenly divisible by mesh dimension "
+                        f"{mesh_dim} (size {mesh_size})")
+    return "the local pieces are not whole blocks of any output dimension"
+
+
+def _refuse_copying_view(op: OpOverload, op_schema: OpSchema, result: StrategyType, dim_map: Callable) -> None:
+    """Raise :class:`ViewRedistributeError` when ``result`` (the strategy of alias view ``op``) redistributes the
+    input: no output strategy takes the input as it is placed. A view of a DTensor is a view of each rank's local
+    tensor or it is refused; a gathered copy would not alias the input (an in-place write through it would not reach
+    the input, as it does on one device). Pure function of global shapes and placements: every rank raises alike,
+    before any collective."""
+    input_strategy = op_schema.args_schema[0]
+    if not isinstance(input_strategy, OpStrategy) or not isinstance(result, OpStrategy) or not result.strategies:
+        return
+    sources = {tuple(s.output_spec.placements) for s in input_strategy.strategies}
+    if any(tuple(spec.input_specs[0].placements) in sources for spec in result.strategies):
+        return
+    src = input_strategy.strategies[0].output_spec
+    tgt = result.strategies[0].input_specs[0]
+    mesh = src.mesh
+    in_shape = tuple(input_strategy.shape)
+    try:
+        rule = dim_map(*op_schema.args_schema, **op_schema.kwargs_schema)
+    except Exception:  # the reason is best effort (symbolic sizes); the refusal is not
+        rule = None
+    moved = [f"mesh dimension {m} (size {mesh.size(m)}) from {a!r} to {b!r}: "
+             f"{_why_not_local(a, m, mesh.size(m), in_shape, rule)}"
+             for m, (a, b) in enumerate(zip(src.placements, tgt.placements)) if a != b]
+    raise ViewRedistributeError(
+        f"{op}: {_describe_input(op_schema)}: no placement of the output is a view of each rank's local tensor; it "
+        f"would redistribute " + "; ".join(moved) + ". A view never copies: redistribute the input explicitly "
+        "first (DTensor.redistribute), or take a copy")
+
+
+def _placed_view_strategy(op: OpOverload, dim_map: Callable, strict_view: bool, torch_strategy: Callable
+                          ) -> Callable[[OpSchema], StrategyType]:
     def strategy(op_schema: OpSchema) -> StrategyType:
         _refuse_ragged(op, op_schema)
         input_strategy = op_schema.args_schema[0]
@@ -427,8 +525,9 @@ def _view_strategy(op: OpOverload, dim_map_fn: Callable, strict_view: bool, torc
                     tgt, out = propagate_strided_view(_replicate_reshaped(src.placements, rule), in_shape, rule,
                                                       tuple(mesh.shape), strict_view)
             except RuntimeError as e:
-                raise RuntimeError(f"{op}: input of global shape {in_shape} with placements {tuple(src.placements)} "
-                                   f"on mesh {tuple(mesh.shape)} (dims {mesh.mesh_dim_names}): {e}") from e
+                error = ViewRedistributeError if strict_view else RuntimeError
+                raise error(f"{op}: input of global shape {in_shape} with placements {tuple(src.placements)} on mesh "
+                            f"{tuple(mesh.shape)} (dims {mesh.mesh_dim_names}): {e}") from e
             if not (_local_sizes_agree(mesh, in_shape, tgt, out_shape, out)
                     and _layout_kept(mesh, in_shape, tgt, out_shape, out, rule)):
                 raise PlacementError(f"{op}: no consistent output placement for input of global shape {in_shape} "

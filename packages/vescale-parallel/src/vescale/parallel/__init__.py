@@ -29,6 +29,7 @@ from vescale.parallel.errors import (
     DDPError,
     ExpertParallelError,
     LossParallelError,
+    TokenIdError,
     Zero3Error,
     ZeroError,
 )
@@ -55,7 +56,7 @@ __all__ += ["DistributedDataParallel", "DDPError", "DistributedOptimizer", "Zero
             "mark_sharded", "fully_shard_dp", "fully_shard_stage", "Zero3Error"]  # part 2: DP/ZeRO
 __all__ += ["parallelize_module", "plan_report", "Plan", "check_plan", "PlanReport", "PlanEntry",
             "vocab_parallel_cross_entropy", "loss_parallel", "LossParallelError", "PLANS", "gpt_plan", "llama_plan",
-            "qwen2_plan", "mixtral_plan", "gpt2_plan"]  # part 1: TP/SP
+            "qwen2_plan", "mixtral_plan", "gpt2_plan", "TokenIdError"]  # part 1: TP/SP
 __all__ += ["replicate_kv_heads"]  # part 1: TP/SP (GQA with fewer kv heads than tp ranks)
 __all__ += ["parallelize_stage"]  # pipeline stages (vescale-plan)
 __all__ += ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks",

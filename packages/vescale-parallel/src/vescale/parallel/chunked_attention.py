@@ -12,6 +12,10 @@ attention layer all-gathers the keys and values of every rank (rank after rank, 
   the forward saves the queries, the gathered keys and values, the output and one log-sum-exp per query row.
 - The backward recomputes each block's probabilities from the saved log-sum-exp and accumulates the query, key and
   value gradients block by block (the flash-attention backward), so it too holds one block at a time.
+- Packed documents: with ``docs`` (a document id per position of the whole sequence, ``[B or 1, S]`` in sequence
+  order, non-decreasing along each row) a query attends only to keys of its own document, causally (the mask
+  transformers builds for packed rows, see :mod:`vescale.parallel.context_parallel`). Every block is then masked by
+  document equality (blocks are not skipped by document: the cost is that of one unpacked sequence).
 - Grouped key/value heads stay grouped (queries are viewed as ``[B, Hkv, G, T, D]`` against ``[B, Hkv, 1, T, D]``
   keys): no repeated copy of the keys or values.
 - Scores, softmax statistics and accumulators are fp32 (fp64 for fp64 operands) whatever the operands' dtype (as
@@ -76,6 +80,20 @@ def _allowed(g: int, kc: int, c: int, window: int | None, device) -> torch.Tenso
     return allowed
 
 
+def _block_mask(g: int, kc: int, c: int, window: int | None, masked: bool, docs: torch.Tensor | None,
+                device) -> torch.Tensor | None:
+    """Which keys of chunk ``kc`` each query of chunk ``g`` may attend to, broadcastable against the scores
+    ``[B, Hkv, G, c, c]``: ``[c, c]`` (causal / window, when ``masked``), with ``docs`` also ``[B or 1, 1, 1, c, c]``
+    (the same document); None when every key may be attended to."""
+    allowed = _allowed(g, kc, c, window, device) if masked else None
+    if docs is None:
+        return allowed
+    same = docs[:, g * c:(g + 1) * c, None] == docs[:, None, kc * c:(kc + 1) * c]
+    if allowed is not None:
+        same = same & allowed
+    return same[:, None, None]
+
+
 def _accumulation_dtype(q: torch.Tensor) -> torch.dtype:
     """fp32, or the operands' dtype where it is wider (fp64)."""
     return torch.promote_types(q.dtype, torch.float32)
@@ -87,7 +105,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
 
 
 def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ChunkLayout, scale: float,
-                    window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    window: int | None,
+                    docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of :func:`chunked_causal_attention` without autograd: ``(out [B, H, 2c, D]`` in ``q``'s dtype
     (laid out as :func:`attention_output`),
     ``lse [B, Hkv, H/Hkv, 2c, 1]`` fp32 or wider), what :func:`chunked_backward` takes."""
@@ -102,7 +121,7 @@ def chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: C
         m = norm = acc = None
         for kc, masked in _blocks(layout, g, window):
             at = layout.key_offset(kc)
-            mask = _allowed(g, kc, c, window, q.device) if masked else None
+            mask = _block_mask(g, kc, c, window, masked, docs, q.device)
             s = _scores(qj, kf[..., at:at + c, :], scale, mask)
             m_new = s.amax(-1, keepdim=True) if m is None else torch.maximum(m, s.amax(-1, keepdim=True))
             p = torch.exp(s - m_new)
@@ -129,8 +148,8 @@ def attention_output(q: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, layout: ChunkLayout, scale: float,
-                     window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     lse: torch.Tensor, layout: ChunkLayout, scale: float, window: int | None,
+                     docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`chunked_causal_attention` from what :func:`chunked_forward` returned: each block's
     probabilities recomputed from ``lse``, the gradients accumulated block by block (the flash-attention backward)."""
     b, h, t, d = q.shape
@@ -148,7 +167,7 @@ def chunked_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         qj, doj = qg[..., rows, :], dout[..., rows, :]
         for kc, masked in _blocks(layout, g, window):
             at = layout.key_offset(kc)
-            mask = _allowed(g, kc, c, window, q.device) if masked else None
+            mask = _block_mask(g, kc, c, window, masked, docs, q.device)
             kb, vb = kf[..., at:at + c, :], vf[..., at:at + c, :]
             p = torch.exp(_scores(qj, kb, scale, mask) - lse[..., rows, :])
             dv[:, :, at:at + c] += torch.matmul(p.transpose(-1, -2), doj).sum(2)
@@ -163,29 +182,37 @@ class _ChunkedCausalAttention(torch.autograd.Function):
     """``q [B, H, 2c, D]`` (this rank's chunks), ``k, v [B, Hkv, 2 cp c, D]`` (gathered) -> ``[B, H, 2c, D]``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: ChunkLayout, scale: float, window: int | None):
-        out, lse = chunked_forward(q, k, v, layout, scale, window)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, layout: ChunkLayout, scale: float, window: int | None, docs: torch.Tensor | None):
+        out, lse = chunked_forward(q, k, v, layout, scale, window, docs)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.layout, ctx.scale, ctx.window = layout, scale, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*chunked_backward(grad_out, q, k, v, out, lse, ctx.layout, ctx.scale, ctx.window), None, None, None)
+        q, k, v, out, lse, docs = ctx.saved_tensors
+        return (*chunked_backward(grad_out, q, k, v, out, lse, ctx.layout, ctx.scale, ctx.window, docs),
+                None, None, None, None)
 
 
 def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ChunkLayout,
-                             scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                             scale: float | None = None, window: int | None = None,
+                             docs: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, H, 2c, D]``: exact causal attention (within ``window`` when given: query ``i`` sees key ``j`` iff
-    ``0 <= i - j < window``) of this rank's queries ``q [B, H, 2c, D]`` (its head chunk, then its tail chunk) against
-    the gathered ``k, v [B, Hkv, 2 cp c, D]`` (rank after rank), ``H`` a multiple of ``Hkv``; differentiable in all
-    three. ``scale`` defaults to ``D ** -0.5``. No collective."""
+    ``0 <= i - j < window``; with ``docs`` only keys of the query's own document, see the module docstring) of this
+    rank's queries ``q [B, H, 2c, D]`` (its head chunk, then its tail chunk) against the gathered
+    ``k, v [B, Hkv, 2 cp c, D]`` (rank after rank), ``H`` a multiple of ``Hkv``; differentiable in all three.
+    ``docs``: integer ``[B or 1, 2 cp c]``, the whole sequence's document ids in sequence order. ``scale`` defaults
+    to ``D ** -0.5``. No collective."""
     if q.shape[2] != 2 * layout.chunk or k.shape[2] != 2 * layout.size * layout.chunk or k.shape != v.shape:
         raise ContextParallelError(f"chunked_causal_attention: queries {tuple(q.shape)} and keys {tuple(k.shape)} / "
                                    f"values {tuple(v.shape)} do not match {layout}")
     if q.shape[1] % k.shape[1]:
         raise ContextParallelError(f"chunked_causal_attention: {q.shape[1]} query heads are not a multiple of "
                                    f"{k.shape[1]} key/value heads")
+    if docs is not None and (docs.dim() != 2 or docs.shape[1] != k.shape[2] or docs.shape[0] not in (1, q.shape[0])
+                             or docs.is_floating_point()):
+        raise ContextParallelError(f"chunked_causal_attention: document ids {tuple(docs.shape)} ({docs.dtype}) must "
+                                   f"be integers [B or 1, S] for queries {tuple(q.shape)} and keys {tuple(k.shape)}")
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    return _ChunkedCausalAttention.apply(q, k, v, layout, float(scale), window)
+    return _ChunkedCausalAttention.apply(q, k, v, layout, float(scale), window, docs)

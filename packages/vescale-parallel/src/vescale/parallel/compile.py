@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from vescale.core import torch_internals
 from vescale.core.blocks import find_blocks
 from vescale.dtensor.layout import contiguous_stride, smallest_shard
-from vescale.parallel.errors import CompileError
+from vescale.parallel.errors import CompileError, TokenIdError
 from vescale.parallel.factory import compiled_region
 from vescale.parallel.local import _local_forward
 
@@ -169,21 +169,21 @@ def install_compilable_embeddings(module: nn.Module) -> list[str]:
         if smallest_shard(weight.shape[0], n) == 0:
             continue  # some rank holds no rows: keep torch's lookup
         offset = min(coord * -(-weight.shape[0] // n), weight.shape[0])  # Shard's pieces: ceil(rows / n) each
-        mod.forward = functools.partial(_embedding_forward, module=mod, vdim=vdim, offset=offset)
+        mod.forward = functools.partial(_embedding_forward, module=mod, vdim=vdim, offset=offset, fqn=fqn)
         found.append(fqn)
     return found
 
 
-def _embedding_forward(ids: Any, *, module: nn.Embedding, vdim: int, offset: int) -> Any:
+def _embedding_forward(ids: Any, *, module: nn.Embedding, vdim: int, offset: int, fqn: str = "") -> Any:
     if not (torch.compiler.is_compiling() and isinstance(ids, DTensor)):
-        return nn.Embedding.forward(module, ids)
+        return nn.Embedding.forward(module, ids)  # (eager: the root's model-call corrections check the ids)
     weight = module.weight
     mesh = weight.device_mesh
     places = list(ids.placements)
     want = [Replicate() if i == vdim or isinstance(p, Partial) else p for i, p in enumerate(places)]
     if want != places:
         ids = ids.redistribute(mesh, want)
-    w, idx = weight.to_local(), ids.to_local()
+    w, idx = weight.to_local(), _checked_ids(ids.to_local(), mesh, want, weight.shape[0], repr(fqn))
     rows = w.shape[0]
     outside = (idx < offset) | (idx >= offset + rows)
     local = (idx - offset).masked_fill(outside, 0)  # no factory call: factory capture must not see one
@@ -193,6 +193,42 @@ def _embedding_forward(ids: Any, *, module: nn.Embedding, vdim: int, offset: int
     shape = (*ids.shape, weight.shape[1])
     return DTensor.from_local(out, mesh, [Partial() if i == vdim else p for i, p in enumerate(want)],
                               run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape))
+
+
+def _checked_ids(ids: torch.Tensor, mesh, placements: list, vocab_size: int, name: str) -> torch.Tensor:
+    """``ids`` (this rank's local token ids, laid out ``placements`` on ``mesh``) after the check of
+    :func:`~vescale.parallel.model_calls.check_token_ids`, written so that dynamo traces it: the smallest and largest
+    id are reduced (functional all-reduce MAX) over the mesh dims where the ids are sharded, and an opaque operator
+    (``vescale::checked_token_ids``, which the graph keeps because the lookup reads its output) raises
+    :class:`~vescale.parallel.errors.TokenIdError` on every rank alike when one is outside the vocabulary."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if ids.numel() == 0:
+        stats = torch.full((2,), -(2 ** 62), dtype=torch.int64, device=ids.device)
+    else:
+        lo, hi = torch.aminmax(ids.to(torch.int64))
+        stats = torch.stack([-lo.clamp(min=-(2 ** 62)), hi])
+    for i, p in enumerate(placements):
+        if not p.is_replicate():
+            stats = funcol.all_reduce(stats, "max", (mesh, i))
+    return torch.ops.vescale.checked_token_ids(ids, stats, vocab_size, name)
+
+
+@torch.library.custom_op("vescale::checked_token_ids", mutates_args=())
+def _checked_token_ids(ids: torch.Tensor, stats: torch.Tensor, vocab_size: int, name: str) -> torch.Tensor:
+    """A copy of ``ids``; raises :class:`~vescale.parallel.errors.TokenIdError` when ``stats`` (the negated smallest
+    and the largest id of the whole batch) fall outside ``[0, vocab_size)``."""
+    from vescale.parallel.model_calls import _token_id_message
+
+    neg_lo, hi = stats.tolist()
+    if -neg_lo < 0 or hi >= vocab_size:
+        raise TokenIdError(_token_id_message(-neg_lo, hi, vocab_size, name))
+    return ids.clone()
+
+
+@_checked_token_ids.register_fake
+def _(ids: torch.Tensor, stats: torch.Tensor, vocab_size: int, name: str) -> torch.Tensor:
+    return torch.empty_like(ids)
 
 
 def _run_compiled(compiled: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -154,18 +154,19 @@ def _setup_key(setup: _Setup) -> int:
 
 
 @torch.library.custom_op("vescale::cp_attention", mutates_args=())
-def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup_key: int, scale: float,
-                  window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None, setup_key: int,
+                  scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, gathered keys, gathered values, lse)``: this rank's queries against the whole sequence (the last three
-    are kept for backward)."""
+    are kept for backward); ``docs``: the whole sequence's document ids (packed rows), or None."""
     setup = _SETUP_KEYS[setup_key]
     keys, values = _gather(k, setup), _gather(v, setup)
-    out, lse = chunked_forward(q, keys, values, ChunkLayout(setup.size, setup.rank, q.shape[2] // 2), scale, window)
+    layout = ChunkLayout(setup.size, setup.rank, q.shape[2] // 2)
+    out, lse = chunked_forward(q, keys, values, layout, scale, window, docs)
     return out, keys, values, lse
 
 
 @_cp_attention.register_fake
-def _(q, k, v, setup_key, scale, window):
+def _(q, k, v, docs, setup_key, scale, window):
     b, h, t, d = q.shape
     size = _SETUP_KEYS[setup_key].size
     gathered = (b, k.shape[1], size * k.shape[2], d)
@@ -174,36 +175,37 @@ def _(q, k, v, setup_key, scale, window):
 
 
 def _cp_attention_setup(ctx, inputs, output):
-    q, _, _, setup_key, scale, window = inputs
+    q, _, _, docs, setup_key, scale, window = inputs
     out, keys, values, lse = output
-    ctx.save_for_backward(q, keys, values, out, lse)
+    ctx.save_for_backward(q, keys, values, out, lse, docs)
     ctx.setup_key, ctx.scale, ctx.window = setup_key, scale, window
 
 
 @torch.library.custom_op("vescale::cp_attention_backward", mutates_args=())
 def _cp_attention_grads(grad_out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        out: torch.Tensor, lse: torch.Tensor, setup_key: int, scale: float,
+                        out: torch.Tensor, lse: torch.Tensor, docs: torch.Tensor | None, setup_key: int, scale: float,
                         window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``vescale::cp_attention``: blockwise, then the key and value gradients reduce-scattered
     over cp to this rank's positions. An operator of its own so that DTensor runs it on the local head shards (see
     :func:`_register_head_sharding`), as it runs the forward."""
     setup = _SETUP_KEYS[setup_key]
     layout = ChunkLayout(setup.size, setup.rank, q.shape[2] // 2)
-    dq, dkeys, dvalues = chunked_backward(grad_out, q, keys, values, out, lse, layout, scale, window)
+    dq, dkeys, dvalues = chunked_backward(grad_out, q, keys, values, out, lse, layout, scale, window, docs)
     return dq, _reduce_scatter(dkeys, setup), _reduce_scatter(dvalues, setup)
 
 
 @_cp_attention_grads.register_fake
-def _(grad_out, q, keys, values, out, lse, setup_key, scale, window):
+def _(grad_out, q, keys, values, out, lse, docs, setup_key, scale, window):
     b, hkv, s, d = keys.shape
     local = (b, hkv, s // _SETUP_KEYS[setup_key].size, d)
     return q.new_empty(q.shape), keys.new_empty(local), values.new_empty(local)
 
 
 def _cp_attention_backward(ctx, grad_out, *unused):
-    q, keys, values, out, lse = ctx.saved_tensors
-    dq, dk, dv = _cp_attention_grads(grad_out, q, keys, values, out, lse, ctx.setup_key, ctx.scale, ctx.window)
-    return dq, dk, dv, None, None, None
+    q, keys, values, out, lse, docs = ctx.saved_tensors
+    dq, dk, dv = _cp_attention_grads(grad_out, q, keys, values, out, lse, docs, ctx.setup_key, ctx.scale,
+                                     ctx.window)
+    return dq, dk, dv, None, None, None, None
 
 
 _cp_attention.register_autograd(_cp_attention_backward, setup_context=_cp_attention_setup)
@@ -215,17 +217,22 @@ def _register_head_sharding() -> None:
     hands the operators DTensors whose heads are sharded over tp; DTensor then calls them on the local shards, where
     each tp rank's queries meet their own key/value heads (``H`` and ``Hkv`` both divisible by tp: contiguous head
     blocks of the queries map onto contiguous blocks of the key/value heads) and the cp collectives run over the cp
-    group of that tp rank. Any other placement of an input is redistributed to one of these by DTensor."""
+    group of that tp rank. Any other placement of an input is redistributed to one of these by DTensor. Document ids
+    (packed rows; they have no head dim) are replicated in both."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
     @register_sharding(torch.ops.vescale.cp_attention.default)
-    def _forward_strategies(q, k, v, setup_key, scale, window):
-        return [([Shard(1)] * 4, [Shard(1)] * 3 + [None] * 3), ([Replicate()] * 4, [Replicate()] * 3 + [None] * 3)]
+    def _forward_strategies(q, k, v, docs, setup_key, scale, window):
+        d = [None if docs is None else Replicate()]
+        return [([Shard(1)] * 4, [Shard(1)] * 3 + d + [None] * 3),
+                ([Replicate()] * 4, [Replicate()] * 3 + d + [None] * 3)]
 
     @register_sharding(torch.ops.vescale.cp_attention_backward.default)
-    def _backward_strategies(grad_out, q, keys, values, out, lse, setup_key, scale, window):
-        return [([Shard(1)] * 3, [Shard(1)] * 6 + [None] * 3), ([Replicate()] * 3, [Replicate()] * 6 + [None] * 3)]
+    def _backward_strategies(grad_out, q, keys, values, out, lse, docs, setup_key, scale, window):
+        d = [None if docs is None else Replicate()]
+        return [([Shard(1)] * 3, [Shard(1)] * 6 + d + [None] * 3),
+                ([Replicate()] * 3, [Replicate()] * 6 + d + [None] * 3)]
 
 
 _register_head_sharding()
@@ -259,11 +266,19 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
         raise ContextParallelError(f"{type(module).__name__}: soft-capped or sink attention is not supported under "
                                    f"context parallelism")
+    docs = kwargs.get(DOCUMENTS_KWARG)
+    if docs is None and _documents_expected:
+        raise ContextParallelError(f"{type(module).__name__} called its attention without the packed documents' ids "
+                                   f"(its forward does not pass keyword arguments on to the attention function), so "
+                                   f"packed rows (position_ids restarting within a row) cannot be masked per document "
+                                   f"under context parallelism")
     q, wrap = _local_heads(query, 2)  # transformers' attention returns [B, S, H, D]
     k, _ = _local_heads(key, 2)
     v, _ = _local_heads(value, 2)
+    if docs is not None:
+        docs, _ = _local_heads(docs, 1)  # replicated (no head dim): its local tensor is all of it
     with capture_suspended():  # plain per-rank tensors from here on, also inside a tensor-parallel forward
-        out = _local_attention(q, k, v, setup, scaling, kwargs.get("sliding_window"))
+        out = _local_attention(q, k, v, setup, scaling, kwargs.get("sliding_window"), docs)
     return wrap(out.transpose(1, 2).contiguous()), None
 
 
@@ -285,16 +300,49 @@ def _hook_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, module
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: _Setup, scaling: float | None,
-                     window: int | None) -> torch.Tensor:
+                     window: int | None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, H, S_local, D]``: queries ``q`` (this rank's positions) against the whole sequence's keys and values,
-    gathered over cp, block by block (:func:`~vescale.parallel.chunked_attention.chunked_forward`)."""
+    gathered over cp, block by block (:func:`~vescale.parallel.chunked_attention.chunked_forward`); with ``docs`` (the
+    whole sequence's document ids, ``[B or 1, S]``) only within each query's document."""
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    return _cp_attention(q, k, v, _setup_key(setup), float(scale), window)[0]
+    return _cp_attention(q, k, v, docs, _setup_key(setup), float(scale), window)[0]
 
 
 def _no_mask(*args, **kwargs):
-    """transformers mask-interface function: none; the attention builds the global causal mask itself."""
+    """transformers mask-interface function: none; the attention builds the global causal mask itself (and the
+    document mask of packed rows, from the ids :func:`_hf_forward` passes it)."""
     return None
+
+
+# The keyword argument _hf_forward adds to the model's call: the whole rows' document ids. transformers models pass
+# their forward's keyword arguments on to the attention function (as flash attention's cu_seq_lens travel), so each
+# layer's _attention receives it, also when activation checkpointing recomputes the layer in backward.
+DOCUMENTS_KWARG = "vescale_cp_documents"
+_documents_expected = 0  # > 0 while a context-parallel forward with packed rows runs (see _attention)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The document id of every position of packed rows, as transformers derives it for one device, or None.
+
+    ``position_ids`` ``[B or 1, S]``: a new document starts wherever a position is not its predecessor's plus one
+    (so position ids restarting at 0, or any other jump, start one); ids count from 0 in each row. None when every
+    row is a single document (transformers then builds the plain causal mask), decided from the values except while
+    a graph is traced (then always the ids, as transformers builds the packed mask then)."""
+    first = position_ids[:, :1] - 1
+    docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    if not torch.compiler.is_compiling() and not _is_fx_tracing(docs) and not bool((docs[:, -1] != 0).any()):
+        return None
+    return docs
+
+
+def _is_fx_tracing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a value of a graph being traced (torch.export / make_fx), where its values cannot be read."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return isinstance(t, FakeTensor) or torch.fx._symbolic_trace.is_fx_tracing() or torch._C._is_functional_tensor(t)
 
 
 @functools.cache
@@ -386,6 +434,11 @@ def _hf_forward(model: nn.Module, size: int, rank: int):
                                        "parallelism: it serves generation, which cp does not")
         kwargs["use_cache"] = False
         index = local_positions(seq_len, size, rank).to(input_ids.device)
+        # Packed rows (position_ids restarting inside a row, no attention mask): one device attends within each
+        # document (transformers' packed-sequence detection); so does every layer here, from the whole rows' ids
+        docs = document_ids(position_ids) if position_ids is not None and attention_mask is None else None
+        if docs is not None:
+            kwargs[DOCUMENTS_KWARG] = docs
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
         if labels is not None:
@@ -394,8 +447,13 @@ def _hf_forward(model: nn.Module, size: int, rank: int):
             local = shifted[:, index].contiguous()
             kwargs.update(labels=local, shift_labels=local, num_items_in_batch=count / size)
         call = functools.partial(unbound, self) if unbound is not None else inner
-        return call(input_ids=input_ids[:, index].contiguous(), position_ids=position_ids[..., index].contiguous(),
-                    **kwargs)
+        global _documents_expected
+        _documents_expected += docs is not None
+        try:
+            return call(input_ids=input_ids[:, index].contiguous(),
+                        position_ids=position_ids[..., index].contiguous(), **kwargs)
+        finally:
+            _documents_expected -= docs is not None
 
     return types.MethodType(forward, model)
 

@@ -19,7 +19,10 @@ they touch until the synchronised backward reduces them.
 ``data_dims`` (expert parallelism): mesh dims of the parameters' own DTensor mesh over which the batch is split as
 over dp (``ep``: each ep rank runs the dense layers on its own rows). A parameter replicated on such a dim gets a
 ``Partial`` gradient there; DDP sums it over that dim in the same bucketed reduction as over dp (one flat group,
-dp x ep), instead of one all-reduce per parameter. A parameter sharded on it (an expert, ``Shard(0)`` on ep) has its
+dp x ep), instead of one all-reduce per parameter: each rank's summand enters the buffer multiplied by ep and the
+bucket is averaged over dp x ep, so that a reduced gradient an earlier synchronised backward left in the buffer (the
+same on every rank) counts once when the next backward accumulates onto it. Until its bucket is reduced such a
+parameter's ``.grad`` / ``.main_grad`` therefore holds ep times this rank's summand. A parameter sharded on it (an expert, ``Shard(0)`` on ep) has its
 complete gradient already (the all-to-all brought every ep rank's tokens to it) and is reduced over dp only. Each
 group of parameters reduced over the same dims gets its own buffers and buckets (see :class:`_Reduction`).
 
@@ -132,7 +135,10 @@ class _Reduction:
 
     ``name`` is ``"dp"`` or the dims joined by ``+`` (``"dp+ep"``), the key gradient clipping sums ZeRO shards under.
     ``summed`` names the data dims reduced here besides dp: gradients are summed there (they are ``Partial`` sums)
-    and averaged over dp.
+    and averaged over dp. Every bucket is reduced with ``AVG`` over the whole group; a summand enters the buffer
+    multiplied by :attr:`scale` (the product of the ``summed`` dims' sizes, see :func:`_summand_prehook`), so the
+    average is the sum over ``summed`` of the average over dp, and a gradient already reduced (identical on every
+    rank, as an earlier synchronised backward leaves it in the buffer) counts once, as on one device.
     """
 
     name: str
@@ -142,12 +148,10 @@ class _Reduction:
     summed: tuple[str, ...] = ()
     dp_size: int = 1
 
-    def reduce_op(self, data: torch.Tensor):
-        """The op to reduce ``data`` with (pre-scaling it in place when it must be summed over data dims)."""
-        if not self.summed:
-            return dist.ReduceOp.AVG
-        data.div_(self.dp_size)  # sum over the data dims, average over dp
-        return dist.ReduceOp.SUM
+    @property
+    def scale(self) -> int:
+        """What a summand is multiplied by on its way into the buffer: the number of ranks it is summed over."""
+        return self.size // self.dp_size
 
 
 @dataclass(eq=False)
@@ -168,7 +172,9 @@ class DistributedDataParallel(nn.Module):
     """Data parallelism over the dp dimension with bucketed, overlapped gradient reduction into a flat buffer.
 
     ``mesh`` is a 1-D DeviceMesh, an nD DeviceMesh with a ``"dp"`` dimension, or a ProcessGroup; gradients
-    are averaged over that group only (TP DTensor parameters keep their placements). Parameters are broadcast from dp
+    are averaged over that group only (TP DTensor parameters keep their placements). ``mesh=None`` is one data
+    rank: gradients go into the buffer (in ``grad_dtype``: the fp32 gradients of bf16 masters) and nothing is
+    communicated. Parameters are broadcast from dp
     rank 0 at construction, so replicas start identical. ``grad_dtype`` is the dtype gradients are accumulated and
     reduced in (``None``: each parameter's own dtype); with bf16 parameters the default fp32 gives fp32 gradient
     accumulation. ``bucket_size_mb`` bounds the bytes of one bucket; ``overlap=False`` reduces every bucket after
@@ -225,9 +231,14 @@ class DistributedDataParallel(nn.Module):
         if not dist.is_initialized():
             raise DDPError("DistributedDataParallel needs an initialised process group")
         self.module = module
-        self.dp_group, self.dp_dim_name = _dp_group(mesh)
-        self.dp_size = dist.get_world_size(self.dp_group)
-        self.dp_rank = dist.get_rank(self.dp_group)
+        if mesh is None:  # no data parallelism: the buffer (fp32 accumulation for masters) without any collective
+            if data_dims or local_shards:
+                raise DDPError("data_dims and local_shards need a DeviceMesh with a dp dim, not mesh=None")
+            self.dp_group, self.dp_dim_name, self.dp_size, self.dp_rank = None, "dp", 1, 0
+        else:
+            self.dp_group, self.dp_dim_name = _dp_group(mesh)
+            self.dp_size = dist.get_world_size(self.dp_group)
+            self.dp_rank = dist.get_rank(self.dp_group)
         self.zero_stage = zero_stage
         self.overlap = overlap
         self.grad_dtype = grad_dtype
@@ -256,13 +267,17 @@ class DistributedDataParallel(nn.Module):
         self._grad_accs = [get_gradient_edge(slot.param).node for slot in self.slots.values()]
         self._hooks = [acc.register_hook(self._make_hook(slot))
                        for acc, slot in zip(self._grad_accs, self.slots.values())]
-        # Gradients summed over data dims by the bucket: keep their Partial local values (see _as_summand)
+        # Gradients summed over data dims by the bucket: keep their Partial local values (see _as_summand), scaled
+        # by the number of ranks summed over (the bucket averages over dp x those dims, see _Reduction)
         for acc, slot in zip(self._grad_accs, self.slots.values()):
-            summed = slot.buffer.reduction.summed
-            if summed and isinstance(slot.param, DTensor):  # (a plain summand needs no relabelling)
-                dims = tuple(slot.param.device_mesh.mesh_dim_names.index(d) for d in summed)
-                self._hooks.append(acc.register_prehook(functools.partial(_summand_prehook, param=slot.param,
-                                                                          dims=dims)))
+            reduction = slot.buffer.reduction
+            if not reduction.summed:
+                continue
+            dims = ()
+            if isinstance(slot.param, DTensor):
+                dims = tuple(slot.param.device_mesh.mesh_dim_names.index(d) for d in reduction.summed)
+            self._hooks.append(acc.register_prehook(functools.partial(_summand_prehook, param=slot.param, dims=dims,
+                                                                      scale=reduction.scale)))
 
     # -- construction ---------------------------------------------------------------------------------------------
 
@@ -468,10 +483,10 @@ class DistributedDataParallel(nn.Module):
             if bucket.shard_grad is not None:
                 out.copy_(data)
         elif bucket.shard_grad is not None:
-            bucket.work = _reduce_scatter(out, data, op=reduction.reduce_op(data), group=reduction.group,
+            bucket.work = _reduce_scatter(out, data, op=dist.ReduceOp.AVG, group=reduction.group,
                                           async_op=True)
         else:
-            bucket.work = dist.all_reduce(data, op=reduction.reduce_op(data), group=reduction.group, async_op=True)
+            bucket.work = dist.all_reduce(data, op=dist.ReduceOp.AVG, group=reduction.group, async_op=True)
         bucket.launched = True
         self._next_launch = bucket.index + 1
 
@@ -637,22 +652,32 @@ class DistributedDataParallel(nn.Module):
         return total
 
 
-def _summand_prehook(grad_outputs, *, param: DTensor, dims: tuple[int, ...]):
-    """Before accumulation: the incoming gradient as this rank's summand over mesh ``dims`` (see
-    :func:`_as_summand`), so that the parameter's own hook (``parallelize_module`` brings ``.grad`` to the
-    parameter's placements) does not all-reduce it there: the bucket does."""
+def _summand_prehook(grad_outputs, *, param: torch.Tensor, dims: tuple[int, ...], scale: int):
+    """Before accumulation: the incoming gradient as ``scale`` times this rank's summand over the data dims.
+
+    A DTensor gradient becomes its summand over mesh ``dims`` (see :func:`_as_summand`), so that the parameter's own
+    hook (``parallelize_module`` brings ``.grad`` to the parameter's placements) does not all-reduce it there: the
+    bucket does. A plain gradient is this rank's summand already. ``scale`` (the number of ranks summed over) makes
+    the bucket's average over dp x data dims their sum (see :class:`_Reduction`)."""
     grad = grad_outputs[0]
-    if not isinstance(grad, DTensor):
+    if grad is None:
         return None
-    return (_as_summand(grad, param.device_mesh, dims),) + tuple(grad_outputs[1:])
+    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+        grad = _as_summand(grad, param.device_mesh, dims, scale=scale)
+    elif scale != 1:
+        grad = grad * scale
+    else:
+        return None
+    return (grad,) + tuple(grad_outputs[1:])
 
 
-def _as_summand(grad: DTensor, mesh, dims: tuple[int, ...]) -> DTensor:
-    """``grad`` labelled ``Replicate`` on mesh ``dims`` with local values whose sum over those dims is its value.
+def _as_summand(grad: DTensor, mesh, dims: tuple[int, ...], scale: float = 1) -> DTensor:
+    """``grad`` labelled ``Replicate`` on mesh ``dims`` with local values whose sum over those dims is ``scale``
+    times its value.
 
-    A ``Partial`` sum there keeps its local values (no communication). Any other layout there (``Replicate``, a
-    ``Shard``, another partial kind) is first made ``Replicate`` on those dims and then kept by the ranks at
-    coordinate 0 of all of them, zeros elsewhere, which is exact. Other dims are left as they are.
+    A ``Partial`` sum there keeps its local values (no communication; times ``scale``). Any other layout there
+    (``Replicate``, a ``Shard``, another partial kind) is first made ``Replicate`` on those dims and then kept by the
+    ranks at coordinate 0 of all of them, zeros elsewhere, which is exact. Other dims are left as they are.
     """
     placements = list(grad.placements)
     other = [i for i in dims if not (type(placements[i]) is Partial and placements[i].reduce_op == "sum")]
@@ -661,6 +686,8 @@ def _as_summand(grad: DTensor, mesh, dims: tuple[int, ...]) -> DTensor:
     local = local_tensor(grad)
     if any(mesh.get_local_rank(i) != 0 for i in other):
         local = torch.zeros_like(local)
+    elif scale != 1:
+        local = local * scale
     labelled = [Replicate() if i in dims else p for i, p in enumerate(grad.placements)]
     return DTensor.from_local(local, mesh, labelled, run_check=False, shape=grad.shape, stride=grad.stride())
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from vescale.core.errors import VescaleError
 
 __all__ = ["DDPError", "ZeroError", "Zero3Error", "LossParallelError", "CompileError", "ActivationCheckpointError",
-           "DataDependentError"]
+           "DataDependentError", "TokenIdError"]
 
 
 class DDPError(VescaleError, ValueError):
@@ -49,3 +49,10 @@ class ContextParallelError(VescaleError, ValueError):
 class ExpertParallelError(VescaleError, ValueError):
     """A mesh, model or plan that :func:`~vescale.parallel.parallelize_experts` cannot use (no ``ep`` dim, no
     experts, ``ep`` not dividing the number of experts)."""
+
+
+class TokenIdError(VescaleError, IndexError):
+    """A token id is outside an embedding's vocabulary ``[0, vocab_size)``: one device's lookup raises
+    ``IndexError`` there, a vocab-parallel lookup would read zeros. The message names the id, the vocabulary size and
+    the embedding; every rank holding a piece of the ids raises it (see
+    :func:`vescale.parallel.model_calls.check_token_ids`)."""

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from vescale.core import torch_internals
 from vescale.dtensor.api import from_local_nograd
 from vescale.parallel.factory import capture_paused, capture_resumed, capture_suspended
+from vescale.parallel.model_calls import check_token_ids, embedding_name
 
 __all__ = ["make_local", "fast_block", "fast_layer", "fast_model", "fast_path", "in_fast_block", "FastBlock",
            "FastLayer", "FastModel", "FAST_BLOCKS", "FAST_LAYERS", "FAST_MODELS"]
@@ -649,8 +650,10 @@ _MODEL_CHILDREN = {"embed_tokens", "layers", "norm", "rotary_emb"}
 
 class FastModel:
     """A causal LM (:data:`FAST_MODELS`) whose every decoder layer is a :class:`FastLayer`, run whole on local tensors
-    as Megatron runs it: the token ids' local tensor goes in, the vocab-parallel embedding looks up this rank's rows
-    (ids outside them read zeros) and all-reduces, the rotary embedding, the masks and every layer compute on this
+    as Megatron runs it: the token ids' local tensor goes in (checked against the vocabulary first:
+    :func:`~vescale.parallel.model_calls.check_token_ids` raises ``TokenIdError`` on every rank where one device
+    raises ``IndexError``), the vocab-parallel embedding looks up this rank's rows (ids outside them read zeros) and
+    all-reduces, the rotary embedding, the masks and every layer compute on this
     rank's replicated activation, the final norm too, and the column-parallel lm head (identity forward / all-reduce
     backward on entry) gives this rank's vocabulary columns, wrapped as a DTensor with the lm head's ``output`` entry
     placements. The root's own boundaries (its ``input`` and ``output`` entries, the plain tensors it returns) apply
@@ -770,6 +773,11 @@ class FastModel:
         kwargs = {key: _local_value(v) for key, v in kwargs.items()}
         ids = kwargs.pop("input_ids")
         kwargs.pop("inputs_embeds", None)  # None (checked): the embeddings computed here take its place
+        embed = m.model.embed_tokens
+        # before any collective: an id outside the vocabulary would read zeros below (replicated on k, so no
+        # collective there; batch-sharded dims agree with one all-reduce of two numbers)
+        check_token_ids(ids, embed.weight.shape[0], embedding_name(embed.weight),
+                        [self.mesh.get_group(i) for i, p in enumerate(self.placements) if not p.is_replicate()])
         cache_key = next((key for key in _CACHE_KEYS if key in kwargs), "cache")
         cache = kwargs.get(cache_key)
         use_cache = kwargs.get("use_cache")
@@ -779,7 +787,7 @@ class FastModel:
         if cache is not None:
             kwargs[cache_key] = _CacheOfDTensors(cache, self.mesh, heads)
         self.local_calls += 1
-        embed, head = m.model.embed_tokens, m.lm_head
+        head = m.lm_head
         group = self.mesh.get_group(self.k)
         before, _layer_group = _layer_group, group
         try:

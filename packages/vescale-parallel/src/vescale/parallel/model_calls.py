@@ -19,21 +19,29 @@ beyond what the op itself needs. They exist because an unmodified model called t
 * ``F.cross_entropy`` / ``F.nll_loss`` with ``reduction="mean"`` on a target sharded over some mesh dim: torch's rule
   averages the per-rank means, which differs from the mean whenever ranks hold different numbers of ignored targets
   (padding) or of class weight. It is computed as the sharded sum over the sharded count of what counts.
+* An embedding lookup (``F.embedding``, ``torch.embedding``, ``aten.embedding``) with a DTensor weight and a token id
+  outside ``[0, vocab_size)``: one device raises ``IndexError``, torch's vocab-parallel rule reads zeros (each rank
+  masks the ids outside its rows). :func:`check_token_ids` raises :class:`~vescale.parallel.errors.TokenIdError`
+  instead, on every rank (see there for what it costs).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vescale.core import torch_internals
 from vescale.dtensor.layout import relaid_as_declared
+from vescale.parallel.errors import TokenIdError
 
-__all__ = ["CORRECTED_FUNCTIONS", "correct_call", "mark_unwritten"]
+__all__ = ["CORRECTED_FUNCTIONS", "correct_call", "mark_unwritten", "check_token_ids", "name_embeddings",
+           "embedding_name"]
 
 _CAT_FUNCTIONS = frozenset({torch.cat, torch.concat, torch.concatenate})
 
@@ -201,8 +209,99 @@ def _index_as_dtensors(args: tuple) -> tuple:
 _INDEX_FUNCTIONS = frozenset({torch.Tensor.__getitem__})
 
 
+# -- token ids outside the vocabulary ------------------------------------------------------------------------------
+
+_names: dict[int, tuple[weakref.ref, str]] = {}  # id(weight) -> (the weight, the FQN an error names it by)
+
+
+def name_embeddings(module: torch.nn.Module, prefix: str = "") -> None:
+    """Record the FQN (``prefix`` + the name in ``module``) of every parameter, an ``nn.Embedding``'s weight by its
+    module's FQN, for :class:`~vescale.parallel.errors.TokenIdError` messages. No collective."""
+    found = {id(p): (p, f"{prefix}{fqn}") for fqn, p in module.named_parameters()}
+    found.update({id(m.weight): (m.weight, f"{prefix}{fqn}") for fqn, m in module.named_modules()
+                  if isinstance(m, torch.nn.Embedding) and isinstance(m.weight, torch.Tensor)})
+    for key, (p, fqn) in found.items():
+        _names[key] = (weakref.ref(p, lambda _, key=key: _names.pop(key, None)), fqn)
+
+
+def embedding_name(weight: torch.Tensor) -> str:
+    """How a :class:`~vescale.parallel.errors.TokenIdError` names the embedding of ``weight``."""
+    entry = _names.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        return repr(entry[1])
+    return f"of weight {list(weight.shape)} (not a parameter parallelize_module saw)"
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str,
+                    groups: Sequence[dist.ProcessGroup] = ()) -> None:
+    """Raise :class:`~vescale.parallel.errors.TokenIdError` if an id of ``ids`` (this rank's plain tensor) is outside
+    ``[0, vocab_size)``; ``name`` names the embedding in the message.
+
+    ``groups``: the process groups of the mesh dims over which ``ids`` is a piece of the batch (each rank its own
+    rows). Then one all-reduce (MAX) of two int64s per group makes every rank see the whole batch's smallest and
+    largest id, so all raise together (a rank left running would wait in the next collective for the ones that
+    raised). Without groups (ids the same on every rank, as a tensor-parallel lookup has them) no collective: every
+    rank reaches the same verdict from its own copy. Either way it reads two numbers back to the host (a device
+    sync on GPU).
+    """
+    if ids.numel():
+        lo, hi = torch.aminmax(ids.to(torch.int64))
+        stats = torch.stack([-lo.clamp(min=-(2 ** 62)), hi])
+    else:  # nothing to check here; the others' ids still count
+        stats = torch.full((2,), -(2 ** 62), dtype=torch.int64, device=ids.device)
+    for group in groups:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    neg_lo, hi = stats.tolist()
+    lo = -neg_lo
+    if lo < 0 or hi >= vocab_size:
+        raise TokenIdError(_token_id_message(lo, hi, vocab_size, name))
+
+
+def _token_id_message(lo: int, hi: int, vocab_size: int, name: str) -> str:
+    bad, which = (lo, "smallest") if lo < 0 else (hi, "largest")
+    return (f"token id {bad} (the {which} id of the batch) is out of range for embedding {name} with vocabulary "
+            f"size {vocab_size}: ids must lie in [0, {vocab_size - 1}] (one device raises IndexError here; a "
+            "vocab-parallel lookup would read zeros)")
+
+
+_EMBEDDING_FUNCTIONS = frozenset({F.embedding, torch.embedding, torch.ops.aten.embedding.default})
+
+
+def _checked_embedding_args(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Check an eager embedding lookup's ids against its DTensor weight (see :func:`check_token_ids`); return the
+    arguments to call it with.
+
+    Ids sharded on a mesh dim where the weight's rows are split are first replicated there, which is what DTensor's
+    vocab-parallel rule does with them anyway (its lookup needs every id on every rank of that dim): the check then
+    sees them whole without a collective of its own. Ids sharded on other dims (each dp rank its rows) are checked
+    with one all-reduce of two numbers over those dims, so that every rank raises together.
+    """
+    functional = func is F.embedding
+    ids_at, weight_at = (0, 1) if functional else (1, 0)
+    ids_key, weight_key = ("input", "weight") if functional else ("indices", "weight")
+    ids = args[ids_at] if len(args) > ids_at else kwargs.get(ids_key)
+    weight = args[weight_at] if len(args) > weight_at else kwargs.get(weight_key)
+    if not isinstance(weight, DTensor) or not isinstance(ids, torch.Tensor) or torch.compiler.is_compiling():
+        return args, kwargs
+    if not isinstance(ids, DTensor):
+        check_token_ids(ids, weight.shape[0], embedding_name(weight))
+        return args, kwargs
+    mesh = ids.device_mesh
+    rows = {i for i, p in enumerate(weight.placements) if p.is_shard() and p.dim in (0, -weight.ndim)}
+    if ids.device_mesh == weight.device_mesh and any(not p.is_replicate() for i, p in enumerate(ids.placements)
+                                                     if i in rows):
+        ids = ids.redistribute(mesh, [Replicate() if i in rows else p for i, p in enumerate(ids.placements)])
+        if len(args) > ids_at:
+            args = (*args[:ids_at], ids, *args[ids_at + 1:])
+        else:
+            kwargs = {**kwargs, ids_key: ids}
+    groups = [mesh.get_group(i) for i, p in enumerate(ids.placements) if not p.is_replicate()]
+    check_token_ids(torch_internals.local_tensor(ids), weight.shape[0], embedding_name(weight), groups)
+    return args, kwargs
+
+
 CORRECTED_FUNCTIONS: frozenset = (_CAT_FUNCTIONS | _WRITE_FUNCTIONS | _LOSSES | _INDEX_FUNCTIONS
-                                  | {F.scaled_dot_product_attention})
+                                  | _EMBEDDING_FUNCTIONS | {F.scaled_dot_product_attention})
 
 
 def correct_call(func, args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dict]:
@@ -219,6 +318,8 @@ def correct_call(func, args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dic
     elif func is F.scaled_dot_product_attention:
         out = func(*args, **_mask_like_query(args, kwargs))
         return True, relaid_as_declared(out), args, kwargs
+    elif func in _EMBEDDING_FUNCTIONS:
+        args, kwargs = _checked_embedding_args(func, args, kwargs)
     elif func in _LOSSES:
         out = _mean_over_sharded_target(func, args, kwargs)
         if out is not None:

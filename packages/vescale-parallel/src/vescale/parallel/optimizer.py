@@ -181,7 +181,7 @@ class DistributedOptimizer:
                 aliased = slot.param.dtype == self.master_dtype
                 master = flat[lo:hi] if aliased else flat[lo:hi].to(self.master_dtype).clone()
                 # zero_stage 0: every dp rank holds the whole, so the clip norm must not sum it over dp
-                groups = {reduction.name: reduction.group} if self.zero_stage else {}
+                groups = {reduction.name: reduction.group} if self.zero_stage and reduction.size > 1 else {}
                 if isinstance(slot.param, DTensor):
                     groups.update(_dtensor_groups(slot.param))
                 groups.update(slot.shard_groups)  # a plain piece over DDP's data dims (local_shards: experts)

@@ -19,6 +19,12 @@ DTensors, and tensors created in ``forward`` are captured as replicated DTensors
 Boundary redistributions are differentiable with Megatron's backward: an all-gathered (sequence-parallel) input's
 gradient is reduce-scattered, a reduced output's gradient passes through.
 
+Token ids: an embedding lookup with a DTensor weight and an id outside its vocabulary raises
+:class:`~vescale.parallel.errors.TokenIdError` (naming the id, the vocabulary size and the embedding's FQN) on every
+rank, where one device raises ``IndexError`` and torch's vocab-parallel rule would read zeros
+(:func:`vescale.parallel.model_calls.check_token_ids`: no collective for ids replicated over the mesh, one all-reduce
+of two numbers over the dims where they are batch-sharded).
+
 Compile: a vocab-parallel ``nn.Embedding`` gets a lookup dynamo can trace (see
 :func:`vescale.parallel.compile.install_compilable_embeddings`; eager is unchanged), so ``torch.compile(model)`` of
 the result works (see :mod:`.compile`).
@@ -60,6 +66,7 @@ from vescale.parallel.local import (
     in_fast_block,
     make_local,
 )
+from vescale.parallel.model_calls import name_embeddings
 from vescale.parallel.plan_grammar import Plan, check_plan, mesh_description
 from vescale.parallel.report import PlanEntry, PlanReport
 
@@ -91,6 +98,7 @@ def parallelize_module(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Mo
 
     report = PlanReport(mesh_desc)
     _distribute_state(module, mesh, decisions, report)
+    name_embeddings(module)  # the FQNs a TokenIdError names (an id outside an embedding's vocabulary)
     _install_hooks(module, mesh, inputs, outputs, local, report)
     install_kv_replicas(module, mesh, kv_replicas)
     install_compilable_embeddings(module)

@@ -36,31 +36,28 @@ import torch
 from torch import nn
 
 from vescale.core.blocks import find_blocks
-from vescale.core.mesh import dim_mesh
+from vescale.core.errors import MeshError
+from vescale.core.mesh import dim_mesh, hsdp_pair
 from vescale.parallel.errors import Zero3Error
 
-__all__ = ["HSDP_DIMS", "Zero3Stage", "bf16_policy", "fully_shard_dp", "fully_shard_stage", "zero3_dp_mesh"]
+__all__ = ["Zero3Stage", "bf16_policy", "fully_shard_dp", "fully_shard_stage", "zero3_mesh"]
 
-#: The two mesh dims of HSDP, outer (replicate) then inner (shard), as FSDP2's 2-D mesh wants them.
-HSDP_DIMS = ("dp_replicate", "dp_shard")
-
-
-def zero3_dp_mesh(mesh):
+def zero3_mesh(mesh):
     """The data-parallel (sub-)mesh :func:`fully_shard_dp` shards over: 2-D ``(dp_replicate, dp_shard)`` for HSDP,
     else the 1-D ``dp`` one (a whole 1-D mesh is the dp mesh). Raises :class:`Zero3Error` for a mesh with neither, or
     with both ``dp`` and an HSDP dim, or with only one of the two HSDP dims. Local; issues no collective."""
     names = tuple(mesh.mesh_dim_names or ())
-    hsdp = [n for n in HSDP_DIMS if n in names]
-    if hsdp:
-        if len(hsdp) != 2 or "dp" in names:
-            raise Zero3Error(f"mesh has dimensions {list(names)}: HSDP needs both {list(HSDP_DIMS)} (replicate "
-                             "outer, shard inner) and no 'dp' dimension")
-        return dim_mesh(mesh, HSDP_DIMS)
-    dp_mesh = dim_mesh(mesh, "dp")
-    if dp_mesh is None:
+    try:
+        pair = hsdp_pair(names) if mesh.ndim > 1 or names[0] != "dp" else None
+    except MeshError as exc:
+        raise Zero3Error(str(exc)) from None
+    if pair is not None:
+        return dim_mesh(mesh, pair)
+    data = dim_mesh(mesh, "dp")
+    if data is None:
         raise Zero3Error(f"mesh has dimensions {list(names)} (shape {tuple(mesh.shape)}); fully_shard_dp needs a 1-D "
-                         f"mesh, one with a 'dp' dimension, or one with the HSDP dimensions {list(HSDP_DIMS)}")
-    return dp_mesh
+                         "mesh, one with a 'dp' dimension, or one with the HSDP dimensions dp_replicate and dp_shard")
+    return data
 
 
 def bf16_policy(reduce_dtype: torch.dtype = torch.float32):
@@ -87,11 +84,11 @@ def fully_shard_dp(module: nn.Module, mesh, *, blocks: str | None = None, reshar
     """
     from torch.distributed.fsdp import fully_shard
 
-    dp_mesh = zero3_dp_mesh(mesh)
+    data = zero3_mesh(mesh)
     targets = [m for _, m in find_blocks(module, blocks, every_list=True)]
     if blocks is not None and not targets:
         raise Zero3Error(f"blocks pattern {blocks!r} matches no submodule FQN of {type(module).__name__}")
-    kw = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    kw = {"mesh": data, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     for m in [*targets, module]:
@@ -128,7 +125,7 @@ def fully_shard_stage(stage: nn.Module, mesh, *, reshard_after_forward: bool = F
     if master_dtype is not None:
         _check_compute_dtype(stage, mp_policy)
         _cast_parameters(stage, master_dtype)
-    kw = {"mesh": zero3_dp_mesh(mesh), "reshard_after_forward": reshard_after_forward}
+    kw = {"mesh": zero3_mesh(mesh), "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     _shard_outside_capture(stage, fully_shard, kw)

@@ -13,17 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from vescale.core.errors import PlanError
-from vescale.core.torch_internals import flattened_mesh
 from vescale.plan.activations import ModelShape, model_shape
-from vescale.plan.auto_plan import AutoPlan, auto_plan, plan_from_trace
+from vescale.plan.auto_plan import AutoPlan, plan_from_trace
 from vescale.plan.cost import CostEstimate, HardwareModel, estimate
-from vescale.plan.pipeline import PipelineSplit, _blocks, build_pipeline, pipeline_split
+from vescale.plan.pipeline import PipelineSplit, _blocks, pipeline_split
 from vescale.plan.trace import ModelTrace, TraceError, trace_model
 
 #: The mesh dims auto_parallelize chooses, in canonical order.
 MESH_DIMS = ("pp", "dp", "cp", "ep", "tp")
 
-__all__ = ["ParallelReport", "ParallelResult", "choose_parallelism", "auto_parallelize", "language_model_loss"]
+__all__ = ["ParallelReport", "choose_parallelism", "auto_parallelize", "language_model_loss"]
 
 
 @dataclass
@@ -42,6 +41,16 @@ class ParallelReport:
     shape: ModelShape | None = None
     seq_len: int = 0
     budget_gb: float | None = None
+
+    def spec(self, *, schedule: str = "1f1b", microbatches: int = 0, sequence_parallel: bool = False):
+        """The chosen candidate as a :class:`vescale.plan.ParallelSpec` (``tp_plan="auto"``, the pipeline split at
+        :attr:`split`'s points): what :func:`vescale.plan.build` and ``tools/train.py --spec`` take."""
+        from vescale.plan.spec import ParallelSpec
+
+        c = self.chosen
+        return ParallelSpec(mesh=c.dims, zero=c.zero_stage, tp_plan="auto", sequence_parallel=sequence_parallel,
+                            schedule=schedule, microbatches=microbatches,
+                            split_points=list(self.split.split_points) if self.split is not None else None)
 
     def __str__(self) -> str:
         from vescale.plan.explain import explain_choice
@@ -180,60 +189,6 @@ def language_model_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-@dataclass
-class ParallelResult:
-    """What :func:`auto_parallelize` built on this rank.
-
-    ``model``: the (tensor-parallelized) model when ``pp == 1``, else ``None``; ``ddp``: the
-    :class:`vescale.parallel.DistributedDataParallel` around it when ``dp > 1`` and ``pp == 1``; ``engine``: the
-    :class:`vescale.pipe.PipeEngine` when ``pp > 1`` (its ``step(batch, target)`` runs forward and backward of this
-    dp rank's batch); ``mesh``: the pp/dp/cp/ep/tp mesh (``None`` on one rank); ``report``: the choice;
-    ``dp_rank`` / ``dp_size``: this rank's slice of the batch (over dp, or dp x ep); ``loss_scale``: what each rank
-    multiplies its mean loss by before backward (1, or ``1 / (dp x ep)`` with ep).
-    Unpacks as ``(module, report)`` for the older two-value form.
-    """
-
-    report: ParallelReport
-    mesh: Any = None
-    model: nn.Module | None = None
-    ddp: nn.Module | None = None
-    engine: Any = None
-    dp_rank: int = 0
-    dp_size: int = 1
-    loss_scale: float = 1.0  # what each rank multiplies its mean loss by before backward (ep: 1 / (dp x ep))
-
-    @property
-    def module(self) -> nn.Module | None:
-        """The module to call for ``pp == 1`` (the DDP wrapper when there is one); ``None`` with a pipeline."""
-        return self.ddp if self.ddp is not None else self.model
-
-    def __iter__(self):
-        return iter((self.module if self.engine is None else self.engine, self.report))
-
-    def shard_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """This dp rank's slice (dim 0) of a global batch: what it feeds ``module`` or ``engine.step``."""
-        if batch.shape[0] % self.dp_size:
-            raise PlanError(f"global batch of {batch.shape[0]} does not divide over dp={self.dp_size}")
-        return batch.chunk(self.dp_size)[self.dp_rank]
-
-    def parameters(self) -> list[nn.Parameter]:
-        """The trainable parameters this rank holds (the pipeline stages' or the model's)."""
-        if self.engine is not None:
-            return self.engine.parameters()
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def make_optimizer(self, optimizer_cls: type, **kw: Any):
-        """Build the optimizer the choice calls for: ``optimizer_cls(**kw)`` wrapped in
-        :class:`vescale.parallel.DistributedOptimizer` at the chosen ZeRO stage (1 or 2), else a plain
-        ``optimizer_cls(self.parameters(), **kw)``. ``DistributedOptimizer`` needs an elementwise optimizer."""
-        zero = self.report.chosen.zero_stage
-        if zero and self.ddp is not None:
-            from vescale.parallel import DistributedOptimizer
-
-            return DistributedOptimizer(self.ddp, optimizer_cls, zero_stage=zero, **kw)
-        return optimizer_cls(self.parameters(), **kw)
-
-
 def _microbatch_example(example_args: tuple | None, example_kwargs: dict | None, mb: int, seq_len: int) -> Any:
     """One microbatch of the example inputs (dim 0 of every tensor set to ``mb``), or token ids ``[mb, seq_len]``."""
     def resize(v: Any) -> Any:
@@ -254,41 +209,31 @@ def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=No
                      example_kwargs: dict | None = None, fixed: dict[str, int] | None = None,
                      zero_stages: tuple[int, ...] = (0, 1, 2, 3), schedule: str = "1f1b",
                      num_microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                     **kw) -> ParallelResult:
-    """Choose a parallelization of ``model`` with the cost model and build it; return a :class:`ParallelResult`.
+                     **kw):
+    """Choose a parallelization of ``model`` with the cost model (:func:`choose_parallelism`) and build it with
+    :func:`vescale.plan.build`: the one composition the main job runs too. Returns the
+    :class:`vescale.plan.Parallelized` (``result.report`` the choice, ``result.spec`` the spec it built, which
+    ``result.report.spec()`` also gives as JSON-able data for ``tools/train.py --spec``).
 
     ``mesh`` (dims named among pp/dp/cp/ep/tp) pins the mesh shape, otherwise ``world_size`` (default: the process
-    group's) is factorised by :func:`choose_parallelism`, restricted by ``fixed`` (e.g. ``{"pp": 2, "tp": 2}``) and
-    ``zero_stages``; ``**kw`` go to it (hardware model, ``max_tp``, ...). ``batch_size`` is the global batch in
-    sequences. Every rank must build ``model`` with the same weights (DDP broadcasts from dp rank 0 anyway).
+    group's) is factorised, restricted by ``fixed`` (e.g. ``{"pp": 2, "tp": 2}``) and ``zero_stages``; ``**kw`` go to
+    :func:`choose_parallelism` (hardware model, ``max_tp``, ...). ``batch_size`` is the global batch in sequences.
+    The tp plan is :func:`auto_plan`'s on the chosen tp mesh; ``schedule`` and ``num_microbatches`` (default two per
+    pp rank) drive a pipeline, split at the report's points and captured on one microbatch of the example inputs;
+    ``loss_fn(output, target)`` is the mean loss of a batch (default: token cross-entropy of the logits).
 
-    With ``apply=True`` the whole choice is built on a ``pp x dp x cp x ep x tp`` mesh (dims of size 1 left out):
+    Each rank feeds ``result.forward_backward`` (or ``result.module`` / ``result.engine.step`` by hand, backward of
+    the mean loss times ``result.loss_scale``) its rows, ``result.shard_batch(global_batch)``, and builds the
+    optimizer with ``result.make_optimizer(torch.optim.AdamW, lr=...)`` (a ``DistributedOptimizer`` for ZeRO 1/2).
+    With ``apply=False`` nothing is built: the result holds the report and the spec only.
 
-    * ``pp == 1``: :func:`auto_plan` on the tp sub-mesh parallelizes ``model`` in place (sequence parallel if asked);
-      with ``cp > 1`` :func:`vescale.parallel.context_parallel` shards its sequences over cp (every cp rank of a dp
-      rank feeds the same rows; call the model with ``labels`` and use its own loss: the mean over cp is one
-      device's); then ZeRO 3 is :func:`vescale.parallel.fully_shard_dp` over dp (a plain optimizer), and otherwise for
-      ``dp x cp > 1`` the model is wrapped in ``DistributedDataParallel(model, dp [x cp] mesh, zero_stage=chosen)``.
-      Each rank feeds ``result.module`` its dp slice (``result.shard_batch``) and calls backward on its mean loss;
-      build the optimizer with ``result.make_optimizer(torch.optim.AdamW, lr=...)`` (a ``DistributedOptimizer`` for
-      ZeRO 1/2).
-    * ``ep > 1``: :func:`vescale.parallel.parallelize_experts` (experts ``Shard(0)`` over ep, the rest replicated);
-      the batch is split over dp x ep (``result.shard_batch``) and each rank backpropagates its mean loss times
-      ``result.loss_scale`` (``1 / (dp x ep)``: DTensor sums the dense gradients over those ranks).
-    * ``pp > 1``: ``vescale.pipe.split`` cuts ``model`` at the report's split points, captured on one microbatch of
-      the example inputs (dim 0 set to ``batch_size // dp // num_microbatches``; default token ids
-      ``[mb, seq_len]``); with ``tp > 1`` each of this rank's stages is sharded by the plan's parameter entries
-      (``vescale.parallel.parallelize_stage``, embeddings replicated); a ``PipeEngine`` over the pp sub-mesh (dp
-      averages gradients over stage replicas) runs ``schedule`` with ``num_microbatches`` (default ``2 * pp``) and
-      ``loss_fn(output, target)`` (default: token cross-entropy of the logits). ``result.engine.step(inputs,
-      targets)`` takes this rank's dp slice of the batch.
-
-    Raises :class:`PlanError` on every rank, before any collective, when the batch does not divide into dp ranks and
-    microbatches or the model cannot be traced.
+    Raises :class:`PlanError` on every rank, before any collective, when the batch does not divide into the data
+    ranks and microbatches or the model cannot be traced.
     """
     import torch.distributed as dist
 
-    from vescale.core.mesh import init_mesh, sub_mesh
+    from vescale.core.mesh import MeshRoles
+    from vescale.plan.build import Parallelized, build
 
     pinned = None
     if mesh is not None:
@@ -312,69 +257,21 @@ def auto_parallelize(model: nn.Module, *, world_size: int | None = None, mesh=No
                                 seq_len=seq_len, fixed=pinned or fixed, sequence_parallel=sequence_parallel,
                                 trace=trace, zero_stages=zero_stages, **kw)
     c = report.chosen
-    result = ParallelResult(report, model=model if c.pp == 1 else None)
-    if not apply:
-        return result
-    microbatches = num_microbatches or 2 * c.pp
-    if c.pp > 1 and batch_size % (c.dp * microbatches):
+    spec = report.spec(schedule=schedule, microbatches=num_microbatches or 0, sequence_parallel=sequence_parallel)
+    microbatches = spec.pipeline_microbatches
+    if c.pp > 1 and batch_size % (c.dp * c.ep * microbatches):
         raise PlanError(f"batch_size {batch_size} does not divide into dp={c.dp} x {microbatches} microbatches "
                         f"for pp={c.pp}")
-    if world_size > 1 and mesh is None:
-        mesh = init_mesh(c.dims)
-    result.mesh = mesh
-    dims = tuple(mesh.mesh_dim_names) if mesh is not None else ()
-    sub = {dims[0]: mesh} if len(dims) == 1 else {n: mesh[n] for n in dims}
-    tp_mesh = sub.get("tp") if c.tp > 1 else None
-    if c.dp > 1:
-        result.dp_size, result.dp_rank = c.dp, sub["dp"].get_local_rank()
-    if c.ep > 1:  # ep is a data dim: the batch is split over dp x ep (mesh order), the experts over ep
-        ep_rank = sub["ep"].get_local_rank()
-        result.dp_size, result.dp_rank = c.dp * c.ep, result.dp_rank * c.ep + ep_rank
-        from vescale.parallel import parallelize_experts
-
-        parallelize_experts(model, mesh, None)
-        result.loss_scale = 1.0 / (c.dp * c.ep)
-        report.notes.append(f"experts over ep={c.ep} (parallelize_experts); each rank feeds its dp x ep slice "
-                            f"(result.shard_batch) and backpropagates loss x {result.loss_scale:g} "
-                            "(DTensor sums the dense gradients over dp x ep)")
-    elif c.pp == 1:
-        if tp_mesh is not None:
-            from vescale.parallel import parallelize_module
-
-            report.plan = auto_plan(model, tp_mesh, sequence_parallel=sequence_parallel, example_args=example_args,
-                                    example_kwargs=example_kwargs, trace=trace)
-            parallelize_module(model, tp_mesh, report.plan)
-        if c.cp > 1:
-            from vescale.parallel import context_parallel
-
-            context_parallel(model, sub["cp"])
-            report.notes.append(f"context_parallel over cp={c.cp}: every cp rank of a dp rank feeds the same rows; "
-                                "call the model with labels and use its loss (the mean over cp is one device's)")
-        if c.zero_stage == 3:
-            from vescale.parallel import fully_shard_dp
-
-            fully_shard_dp(model, mesh)
-            report.notes.append(f"ZeRO-3: fully_shard_dp (FSDP2 per block) over dp={c.dp}; a plain optimizer over "
-                                "result.parameters()")
-        elif c.dp * c.cp > 1:
-            from vescale.parallel import DistributedDataParallel
-
-            grad_mesh = (sub["dp"] if c.cp == 1 else sub["cp"] if c.dp == 1
-                         else flattened_mesh(sub_mesh(mesh, "dp", "cp")))
-            result.ddp = DistributedDataParallel(model, grad_mesh, zero_stage=c.zero_stage)
-            report.notes.append(f"DistributedDataParallel over dp x cp = {c.dp * c.cp} ranks, "
-                                f"zero_stage={c.zero_stage}; build the optimizer with result.make_optimizer(cls, **kw)")
-    else:
-        if tp_mesh is not None:  # parameter entries only: a captured stage has no module boundaries; no SP
-            report.plan = auto_plan(model, tp_mesh, sequence_parallel=False, example_args=example_args,
-                                    example_kwargs=example_kwargs, trace=trace)
-        result.engine = build_pipeline(
-            model, sub["pp"], split_points=report.split.split_points, schedule=schedule,
-            num_microbatches=microbatches, loss_fn=loss_fn or language_model_loss, tp_mesh=tp_mesh, plan=report.plan,
-            example_inputs=_microbatch_example(example_args, example_kwargs, batch_size // c.dp // microbatches,
-                                               seq_len),
-            dp_group=sub["dp"].get_group() if "dp" in sub else None)
+    if not apply:
+        return Parallelized(spec, MeshRoles.of(None), [model], report=report)
+    example = None
+    if c.pp > 1:
+        example = _microbatch_example(example_args, example_kwargs, batch_size // (c.dp * c.ep) // microbatches,
+                                      seq_len)
+    result = build(model, spec, mesh, loss_fn=loss_fn, batch_size=batch_size, seq_len=seq_len,
+                   example_inputs=example)
+    result.report, report.plan, report.applied = report, result.plan, True
+    if result.engine is not None:
         report.notes.append(f"pipeline: {result.engine.num_stages} stages at {report.split.split_points}, "
                             f"schedule {schedule!r}, {microbatches} microbatches")
-    report.applied = True
     return result

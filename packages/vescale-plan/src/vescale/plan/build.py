@@ -1,0 +1,397 @@
+"""``build``: apply a :class:`~vescale.plan.spec.ParallelSpec` to an unmodified model, one parallelism at a time, in one
+order, and return the training-loop interface (:class:`Parallelized`) that is the same on every mesh.
+
+The order (each step a function of this module, skipped when its mesh dim or field is off):
+
+1. ``dtype``: the model is cast to bf16 before anything splits it (ZeRO 3 without pp keeps fp32 masters in FSDP2);
+2. the model is laid out: pipeline stages (:func:`apply_pp`, tensor-parallel inside each, the cp attention and the
+   experts operator installed before the split), or experts over ep (:func:`apply_ep`), or tensor parallel
+   (:func:`apply_tp`), or a deferred model materialised (dp replicas share the init);
+3. ``load_weights`` (the caller's, e.g. pretrained safetensors) fills what this rank holds;
+4. activation checkpointing, then compile, then context parallelism (pp == 1);
+5. data parallelism (:func:`apply_dp`): FSDP2 for ZeRO 3, else vescale DDP (ZeRO 2 shards its buffers), per stage
+   with a pipeline.
+
+Every mesh role (which ranks split the batch, average gradients, hold experts) comes from
+:class:`vescale.core.MeshRoles`; nothing here derives one. Collectives: the wrappers' own (DDP's broadcast, FSDP2's
+setup, the pipeline engine's), in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vescale.core.mesh import MeshRoles, init_mesh
+from vescale.plan.spec import DTYPES, ParallelSpec, SpecError
+
+__all__ = ["build", "Parallelized", "apply_tp", "apply_ep", "apply_pp", "apply_dp", "resolve_tp_plan"]
+
+LoadWeights = Callable[[list[nn.Module], bool], None]  # (modules this rank holds, whether they are pipeline stages)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, DTYPES[name])
+
+
+def _span(name: str):
+    from vescale.pipe.timeline import span
+
+    return span(name, cat=name)
+
+
+@dataclass
+class Parallelized:
+    """What :func:`build` made on this rank, and all a training loop needs, whatever the mesh.
+
+    ``modules``: the model as this rank holds it (one module, or its pipeline stages, unwrapped: what a checkpoint
+    saves under ``"model"``); ``module``: what to call when ``pp == 1`` (the DDP or FSDP2 wrapper, or the model);
+    ``engine``: the :class:`vescale.pipe.PipeEngine` when ``pp > 1``; ``ddp``: the DDP whose buffers hold the
+    gradients (the stage's with a pipeline), or None; ``roles``: the mesh roles.
+    """
+
+    spec: ParallelSpec
+    roles: MeshRoles
+    modules: list[nn.Module]
+    module: nn.Module | None = None
+    engine: Any = None
+    ddp: Any = None
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    report: Any = None  # the planner's ParallelReport, when vescale.plan.auto_parallelize chose the spec
+    plan: dict | None = None  # the tensor-parallel plan applied (spec.tp_plan resolved), None without tp
+    grad_norm: torch.Tensor | None = None  # the last clip_grad_norm_'s norm
+    _cp_positions: torch.Tensor | None = None
+    _experts: list = field(default_factory=list)  # pp x ep: the experts whose stages hold plain [E / ep, ...] rows
+    _by_name: bool = False  # the model takes its token ids as ``input_ids=`` (transformers), where plans place them
+
+    @property
+    def mesh(self):
+        return self.roles.mesh
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The (unwrapped) model when ``pp == 1``; None with a pipeline (see :attr:`modules`)."""
+        return self.modules[0] if self.engine is None else None
+
+    @property
+    def loss_scale(self) -> float:
+        """What each rank multiplies its rows' mean loss by before backward when it runs ``module`` itself: ``1 /
+        ep`` (each ep rank backpropagates its share; DDP averages over dp), else 1."""
+        return 1.0 / self.roles.ep.size
+
+    def shard_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (dim 0) of a global batch: what :meth:`forward_backward` takes."""
+        return self.roles.shard_batch(batch)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters this rank holds (the pipeline stages', or the model's)."""
+        if self.engine is not None:
+            return self.engine.parameters()
+        return [p for m in self.modules for p in m.parameters() if p.requires_grad]
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's rows (:meth:`shard_batch` of the global inputs and targets: token ids,
+        given to the model as ``input_ids=`` when its ``forward`` names it, else positionally), with
+        ``grad_accum`` micro-steps reduced once; returns the detached mean loss over those rows. Afterwards the
+        gradients are one device's for the whole global batch (averaged over the data ranks)."""
+        if self.engine is not None:
+            y = targets if self._cp_positions is None else targets[:, self._cp_positions]
+            return self.engine.step(inputs, y).detach() * self.roles.ep.size
+        n, total, ddp = self.spec.grad_accum, None, self.ddp
+        fsdp = self.spec.zero == 3
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
+            last = i == n - 1
+            if fsdp:  # FSDP2 reduce-scatters only in the last micro-step's backward
+                self.module.set_requires_gradient_sync(last)
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                if self._cp_positions is not None:  # this cp rank's positions: its loss is its share of the rows'
+                    y = y[:, self._cp_positions]
+                with _span("forward"):
+                    output = self.module(input_ids=x) if self._by_name else self.module(x)
+                    loss = self.loss_fn(output, y) / n
+                with _span("backward"):
+                    (loss * self.loss_scale).backward()
+                    if ddp is not None and last:
+                        ddp.finish_grad_sync()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The global batch's mean loss from every rank's :meth:`forward_backward` value: the mean over the ranks
+        that average dense gradients (dp x cp x ep). A collective over them."""
+        role = self.roles.dense_grads
+        if role.size == 1:
+            return loss
+        loss = loss.clone()
+        dist.all_reduce(loss, group=role.group)
+        return loss / role.size
+
+    def make_optimizer(self, optimizer_cls: type, *, param_groups: Callable[[list], list] | None = None,
+                       clip_grad: float | None = None, **kw: Any):
+        """The optimizer this spec calls for: ``optimizer_cls(groups, **kw)`` over :meth:`parameters`
+        (``param_groups(params)`` shapes the groups), inside :class:`vescale.parallel.DistributedOptimizer` for ZeRO
+        1/2 and bf16 masters (fp32 masters and state), plain otherwise (ZeRO 3: over FSDP2's shards). With
+        ``clip_grad`` every step first clips the gradient norm to it, computed as one device's (over dp, tp, ep and
+        pp); the norm is kept in :attr:`grad_norm` (or the DistributedOptimizer's)."""
+        from vescale.parallel import DistributedOptimizer
+
+        params = self.parameters()
+        inner = optimizer_cls(param_groups(params) if param_groups is not None else params, **kw)
+        if self.ddp is not None and (self.spec.zero in (1, 2) or self.spec.dtype != "fp32"):
+            return DistributedOptimizer(self.ddp, inner, zero_stage=self.spec.zero, clip_grad=clip_grad,
+                                        pp_group=self.roles.pp.group)
+        if clip_grad:
+            def clip(*_: Any) -> None:
+                self.clip_grad_norm_(clip_grad)
+
+            inner.register_step_pre_hook(clip)
+        return inner
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this rank's gradients to a global norm of ``max_norm`` (one device's norm); returns the norm.
+        Collective over every rank holding a piece (use it with plain optimizers; DistributedOptimizer clips its
+        own fp32 pieces)."""
+        from vescale.parallel import clip_grad_norm_
+
+        self.grad_norm = clip_grad_norm_(self.parameters(), max_norm, pp_group=self.roles.pp.group)
+        return self.grad_norm
+
+    def state(self, optimizer=None) -> dict:
+        """What a checkpoint saves and loads (any other mesh loads it): ``{"model": ..., "optim": optimizer}``; with
+        pp x ep the stages' plain expert rows are shown as boxes of the global tensors."""
+        if self._experts:
+            from vescale.parallel.expert_state import local_experts_state
+
+            return local_experts_state(self.modules, optimizer, self._experts, self.mesh)
+        model = self.modules[0] if self.engine is None else self.modules
+        return {"model": model} if optimizer is None else {"model": model, "optim": optimizer}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """This rank's data-averaged gradients by parameter FQN of the unwrapped model (every name of a tied one),
+        laid out as the parameters are (DTensors over tp, or plain); pp x ep's local experts gathered over ep. A
+        collective over dp with ZeRO 2 (and over ep for pp x ep): call it on every rank."""
+        reduced = None
+        if self.ddp is not None:
+            by_fqn = self.ddp.reduced_grads()
+            reduced = {id(slot.param): by_fqn[slot.fqn] for slot in self.ddp.slots.values()}
+        out = {}
+        for module in self.modules:
+            for name, p in module.named_parameters(remove_duplicate=False):
+                grad = p.grad if reduced is None else reduced.get(id(p))
+                if grad is not None:
+                    out[name] = grad
+        ep = self.roles.ep
+        for name in sorted(set(out) & {fqn for info in self._experts for fqn in info.params}):
+            parts = [torch.empty_like(out[name]) for _ in range(ep.size)]
+            dist.all_gather(parts, out[name].contiguous(), group=ep.group)
+            out[name] = torch.cat(parts)
+        return out
+
+
+def resolve_tp_plan(model: nn.Module, spec: ParallelSpec, mesh, *, sequence_parallel: bool | None = None) -> dict:
+    """The plan dict of ``spec.tp_plan`` over ``mesh``: a dict as is, a family of ``vescale.parallel.PLANS``, or
+    ``"auto"`` (:func:`vescale.plan.auto_plan` of ``model``, deferred or on the meta device)."""
+    from vescale.parallel import PLANS
+
+    sp = spec.sequence_parallel if sequence_parallel is None else sequence_parallel
+    if isinstance(spec.tp_plan, dict):
+        return spec.tp_plan
+    if spec.tp_plan in PLANS:
+        return PLANS[spec.tp_plan](mesh, dp=None, sequence_parallel=sp)
+    if spec.tp_plan != "auto":
+        raise SpecError(f"tp_plan {spec.tp_plan!r} is neither 'auto', a plan dict, nor a family of "
+                        f"vescale.parallel.PLANS ({sorted(PLANS)})")
+    from vescale.plan.auto_plan import auto_plan
+
+    return auto_plan(model, mesh, sequence_parallel=sp, dp=None)
+
+
+def apply_tp(model: nn.Module, roles: MeshRoles, plan: dict) -> nn.Module:
+    """Shard ``model`` over tp by ``plan`` (a deferred model goes straight into its shards)."""
+    from vescale.parallel import parallelize_module
+
+    return parallelize_module(model, roles.tp.mesh, plan)
+
+
+def apply_ep(model: nn.Module, roles: MeshRoles, plan: dict | None) -> nn.Module:
+    """The experts over ep (``Shard(0)``), attention and each expert's FFN by ``plan`` (tp > 1), on the model's own
+    mesh (ep [x tp])."""
+    from vescale.parallel import parallelize_experts
+
+    return parallelize_experts(model, roles.model, plan)
+
+
+def apply_pp(model: nn.Module, roles: MeshRoles, spec: ParallelSpec, plan: dict | None, *, loss_fn,
+             example_inputs, device=None):
+    """Split ``model`` into pipeline stages; build (tp-shard by ``plan``'s parameter entries, compile) only this
+    rank's; return the engine. The stages reduce their own gradients (:func:`apply_dp` wraps each), so the engine
+    has no flat dp all-reduce."""
+    from vescale.plan.pipeline import build_pipeline
+
+    return build_pipeline(model, roles.pp.mesh, schedule=spec.schedule, num_microbatches=spec.pipeline_microbatches,
+                          loss_fn=loss_fn, example_inputs=example_inputs, split_points=spec.split_points,
+                          tp_mesh=roles.tp.mesh, plan=plan, device=device, compile=spec.compile)
+
+
+def _needs_ddp(spec: ParallelSpec, roles: MeshRoles) -> bool:
+    """vescale DDP holds the gradients: to reduce them over data ranks, to shard them (ZeRO 1/2), or as the fp32
+    buffer bf16 masters step with. With ep it needs a dp dim (its groups are dp x ep); without one the experts'
+    DTensors sum the dense gradients over ep themselves."""
+    if spec.zero == 3:
+        return False
+    if roles.ep.size > 1:
+        return "dp" in roles.mesh.mesh_dim_names
+    return roles.dense_grads.size > 1 or spec.zero in (1, 2) or spec.dtype != "fp32"
+
+
+def _ddp(module: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, stage_late=None, local_shards=None):
+    from vescale.parallel import DistributedDataParallel
+
+    kw: dict[str, Any] = {"zero_stage": spec.zero, "grad_dtype": _dtype(spec.reduce_dtype)}
+    if stage_late is not None:  # a pipeline stage: tied weights after the engine's pp sum; the engine waits
+        kw.update(late_params=stage_late, wait_in_backward=False)
+    if roles.ep.size > 1:  # dense parameters summed over ep and averaged over dp, experts averaged over dp
+        if local_shards is not None:
+            kw["local_shards"] = local_shards
+        return DistributedDataParallel(module, roles.mesh, data_dims=("ep",), **kw)
+    return DistributedDataParallel(module, roles.dense_grads.mesh, **kw)
+
+
+def apply_dp(model: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, engine=None, experts=None):
+    """Data parallelism: ZeRO 3 as FSDP2 (per block, or one unit per pipeline stage), else vescale DDP when
+    :func:`_needs_ddp`; with a pipeline each of this rank's stages gets its own wrapper (``engine.wrap_stages``).
+    Returns the DDP holding the gradients (the stage's), or None."""
+    from vescale.parallel import fully_shard_dp, fully_shard_stage
+    from vescale.parallel.zero3 import bf16_policy
+
+    policy = bf16_policy(_dtype(spec.reduce_dtype)) if spec.dtype == "bf16" else None
+    if spec.zero == 3:
+        if engine is None:
+            fully_shard_dp(model, roles.fsdp, mp_policy=policy)
+        else:  # the stage was captured in bf16: its parameters become fp32 masters before sharding
+            master = torch.float32 if policy is not None else None
+            engine.wrap_stages(lambda i, stage, late: fully_shard_stage(stage, roles.fsdp, mp_policy=policy,
+                                                                        master_dtype=master))
+        return None
+    if not _needs_ddp(spec, roles):
+        return None
+    if engine is None:
+        return _ddp(model, roles, spec)
+    wrappers = []
+
+    def wrap(index: int, stage: nn.Module, late: list) -> nn.Module:
+        local = None
+        if experts:  # this ep rank keeps its experts' rows as plain [E / ep, ...] parameters
+            from vescale.parallel import keep_local_experts
+
+            local = {fqn: ("ep",) for fqn in keep_local_experts(stage, experts, roles.mesh)}
+        wrappers.append(_ddp(stage, roles, spec, stage_late=late, local_shards=local))
+        return wrappers[-1]
+
+    engine.wrap_stages(wrap)
+    return wrappers[0] if wrappers else None
+
+
+def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batch_size: int | None = None,
+          seq_len: int | None = None, example_inputs: Any = None, device: torch.device | str | None = None,
+          load_weights: LoadWeights | None = None) -> Parallelized:
+    """Parallelize ``model`` (unmodified; plain, or recorded by ``vescale.dtensor.deferred_init``) as ``spec`` says,
+    on ``mesh`` (default: ``init_mesh(spec.mesh)``; pp x ep and ep with ZeRO or bf16 add ``dp=1`` for DDP's groups),
+    and return the :class:`Parallelized` training interface.
+
+    ``loss_fn(output, targets)``: the mean loss of a batch (default: next-token cross-entropy of the logits).
+    ``batch_size`` (global, sequences) and ``seq_len``: checked against the spec; with pp they shape the
+    microbatch the split is captured on, unless ``example_inputs`` (one microbatch) is given. ``device``: where the
+    stages and batches live (default: this rank's). ``load_weights(modules, stages)``: fills what this rank holds
+    after it is laid out and before data parallelism wraps it (under ZeRO 3 without pp: after FSDP2 sharded it).
+    Raises :class:`SpecError` on every rank, before any collective, when the spec cannot be built.
+    """
+    from vescale.dtensor import is_deferred, materialize, record_deferred
+    from vescale.parallel import checkpoint_activations, compile_parallel, context_parallel
+    from vescale.parallel.clip_grad import mark_tied_copy
+    from vescale.parallel.context_parallel import local_positions
+    from vescale.plan.auto_parallelize import language_model_loss
+
+    spec.check(batch_size=batch_size, seq_len=seq_len)
+    loss_fn = loss_fn or language_model_loss
+    if mesh is None and spec.world_size > 1:
+        dims = dict(spec.mesh)
+        if spec.size("ep") > 1 and "dp" not in dims and (spec.size("pp") > 1 or spec.zero or spec.dtype != "fp32"):
+            dims = {"dp": 1, **dims}  # DDP's data_dims groups are built over dp x ep
+        mesh = init_mesh(dims)
+    roles = MeshRoles.of(mesh)
+    pp, ep, cp = roles.pp.size, roles.ep.size, roles.cp.size
+    if ep > 1 and "dp" not in roles.mesh.mesh_dim_names and (pp > 1 or spec.zero or spec.dtype != "fp32"):
+        raise SpecError(f"mesh {roles.mesh.mesh_dim_names}: ep with pp, ZeRO or bf16 reduces through DDP over dp x "
+                        "ep; give the mesh a dp dim (dp=1 will do)")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized() and \
+            dist.get_backend() == "nccl" else torch.device("cpu")
+    if spec.dtype != "fp32" and (spec.zero != 3 or pp > 1):  # (ZeRO 3: FSDP2's policy casts fp32 shards)
+        with record_deferred(model) if is_deferred(model) else contextlib.nullcontext():
+            model.to(_dtype(spec.dtype))
+    out = Parallelized(spec, roles, [model], loss_fn=loss_fn,
+                       _by_name="input_ids" in inspect.signature(model.forward).parameters)
+    cp_positions = None
+    if cp > 1:
+        if seq_len is None:
+            raise SpecError("build needs seq_len with cp > 1 (each cp rank takes its positions of every row)")
+        cp_positions = local_positions(seq_len, cp, roles.cp.rank).to(device)
+    if pp > 1:
+        if cp > 1:  # before the split: the captured stages call the cp attention operator
+            context_parallel(model, roles.cp.mesh)
+        experts = []
+        if ep > 1:  # each experts module's dispatch becomes one operator the stage graphs keep whole
+            from vescale.parallel.experts import experts_as_operator
+
+            experts = experts_as_operator(model, roles.mesh)
+        if example_inputs is None:
+            if batch_size is None or seq_len is None:
+                raise SpecError("build needs batch_size and seq_len (or example_inputs) with pp > 1")
+            rows = batch_size // spec.batch_ranks // spec.pipeline_microbatches
+            example_inputs = torch.zeros(rows, seq_len, dtype=torch.long, device=device)
+        stage_loss = loss_fn if ep == 1 else (lambda o, t: loss_fn(o, t) / ep)  # each ep rank's share
+        out.plan = resolve_tp_plan(model, spec, roles.tp.mesh, sequence_parallel=False) if roles.tp.size > 1 else None
+        engine = apply_pp(model, roles, spec, out.plan, loss_fn=stage_loss, example_inputs=example_inputs,
+                          device=device)
+        held = list(engine.stages.values())
+        if load_weights is not None:
+            load_weights(held, True)
+        if spec.activation_checkpointing != "none":  # a captured stage has no block modules: one region per stage
+            for stage in held:
+                checkpoint_activations(stage, spec.activation_checkpointing, whole=True)
+        out.ddp = apply_dp(model, roles, spec, engine=engine, experts=experts)  # (wrappers keep the stage modules)
+        for p in engine.tied_copies():  # a tied weight held by two stages counts once in a norm over pp
+            mark_tied_copy(p)
+        out.engine, out.modules, out._experts, out._cp_positions = engine, held, experts, cp_positions
+        return out
+    if roles.tp.size > 1:  # (with ep: over the model's ep x tp mesh)
+        out.plan = resolve_tp_plan(model, spec, roles.model if ep > 1 else roles.tp.mesh)
+    if ep > 1:
+        model = apply_ep(model, roles, out.plan)
+    elif roles.tp.size > 1:
+        model = apply_tp(model, roles, out.plan)
+    elif is_deferred(model):  # dp replicas each compute 1/dp of the init, then all-gather it (weights: none)
+        over = roles.dp.mesh if load_weights is None else None
+        materialize(model, device=device, replicate_over=over)
+    if load_weights is not None and spec.zero != 3:
+        load_weights([model], False)
+    if spec.activation_checkpointing != "none":  # before compile and DDP (see checkpoint_activations)
+        checkpoint_activations(model, spec.activation_checkpointing)
+    if spec.compile:
+        compile_parallel(model)
+    if cp > 1:  # every cp rank runs its head and tail chunks of each row; targets sliced alike
+        context_parallel(model, roles.cp.mesh)
+    out.ddp = apply_dp(model, roles, spec)
+    if spec.zero == 3 and load_weights is not None:  # each rank reads only its ZeRO-3 (and tp) shard
+        load_weights([model], False)
+    out.modules, out.module, out._cp_positions = [model], out.ddp if out.ddp is not None else model, cp_positions
+    return out
+
