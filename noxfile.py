@@ -1,21 +1,32 @@
-"""Every way vescale is checked: per-package isolated tests, the integration matrix, lint.
+"""Every way vescale is checked: per-package isolated tests, the integration matrix, lint; and the main job.
 
     nox -s tests integration      # what CI runs (the README's test command)
+    nox -s train -- --steps 50    # the main job; arguments after -- go to tools/train.py
     nox -s lint
 
-Each ``tests`` session builds a fresh venv holding one package, only the vescale siblings it declares (installed from
+Each ``tests`` session has its own venv holding one package, only the vescale siblings it declares (installed from
 ``packages/``, never from a registry) and its test extras, which proves the packages install and work separately.
 torch is pinned to 2.13 so no venv ever downloads a multi-GB CUDA build.
+
+Venvs are kept between runs and installed once: the vescale packages are installed editable (``pip install -e``), so
+a source change needs no reinstall, and each venv holds a stamp of what it was installed from (the requirement list
+and the packages' ``pyproject.toml`` files). A run whose stamp matches skips pip entirely; a changed dependency,
+extra or requirement reinstalls. ``nox -N -s ...`` rebuilds a venv from scratch.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).parent
 TORCH = "torch==2.13.*"
+# What tools/ imports beyond the packages: transformers (--model llama/mixtral/gpt2/a HF directory, --export-hf,
+# tools/generate.py), tokenizers (the default corpus's BPE, --tokenizer DIR; also a transformers dependency),
+# matplotlib (loss.png, timeline.png). safetensors comes with vescale-checkpoint, numpy with vescale-core.
+TOOLS = ["transformers>=5", "tokenizers", "matplotlib"]
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests", "integration"]
@@ -29,49 +40,102 @@ PACKAGES: dict[str, list[str]] = {
     "vescale-checkpoint": ["vescale-core"],
     "vescale-plan": ["vescale-core", "vescale-dtensor", "vescale-parallel", "vescale-pipe"],
 }
+# The extras a package's own ``tests`` session installs: [test], plus [s3] for the checkpoint's s3:// round trips
+# (s3fs and a local moto server; kept out of [test] so a dev venv of every package resolves fast without them).
+TEST_EXTRAS: dict[str, str] = {"vescale-checkpoint": "[test,s3]"}
+STAMP = "vescale-install.sha256"
 
 
-def _local(package: str, extras: str = "") -> str:
-    return f"{ROOT / 'packages' / package}{extras}"
+def _install(session: nox.Session, packages: list[str], extras: dict[str, str] | str = "",
+             requirements: tuple[str, ...] = ()) -> None:
+    """Install ``packages`` editable with torch 2.13 (each with its extras) and ``requirements``, unless already done.
 
+    One pip call, so the local directories satisfy the sibling requirements by name. Skipped when the venv's stamp
+    says it holds exactly this: the same requirement list, the same pyproject.toml files, the same checkout path (an
+    editable install points at it). vescale packages not in ``packages`` (left by an older package list) are removed,
+    so a reused venv proves isolation as a fresh one does.
+    """
+    extra_of = extras if isinstance(extras, dict) else dict.fromkeys(packages, extras)
+    pip_args = [TORCH] if packages else []
+    for p in packages:
+        pip_args += ["-e", f"{ROOT / 'packages' / p}{extra_of.get(p, '')}"]
+    pip_args += requirements
+    digest = hashlib.sha256("\0".join([str(ROOT), *pip_args]).encode())
+    for p in packages:
+        digest.update((ROOT / "packages" / p / "pyproject.toml").read_bytes())
+    key = digest.hexdigest()
+    stamp = Path(session.virtualenv.location) / STAMP
+    if stamp.is_file() and stamp.read_text() == key:
+        session.log(f"{session.name}: venv already holds these requirements, skipping install ({stamp})")
+        return
 
-def _install(session: nox.Session, packages: list[str], extras: str = "[test]") -> None:
+    stamp.unlink(missing_ok=True)  # a failed install below leaves no stamp: the next run installs again
+    listed = session.run_install(
+        "python", "-c", "import importlib.metadata as m; print(*{d.metadata['Name'] for d in m.distributions()})",
+        silent=True)
+    strays = sorted(n for n in (listed or "").split() if n.startswith("vescale-") and n not in packages)
+    if strays:
+        session.run_install("python", "-m", "pip", "uninstall", "-y", *strays)
     # --no-compile: byte-compiling all of torch at install costs ~70 s per venv; Python compiles what it imports.
-    # One pip call, so the local directories satisfy the sibling requirements by name.
-    session.install("--no-compile", TORCH, *(_local(p, extras) for p in packages))
-    # Reused venvs keep an older build of the same version: refresh the vescale packages themselves.
-    session.install("--no-compile", "--no-deps", "--force-reinstall", *(_local(p) for p in packages))
+    session.install("--no-compile", *pip_args)
+    # Written through run_install so that `--no-install` (which skips the install above) writes no stamp either.
+    session.run_install("python", "-c", "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text(sys.argv[2])",
+                        str(stamp), key, silent=True)
+
+
+def _check_only(session: nox.Session, packages: list[str]) -> None:
+    """Fail unless this venv can import exactly the vescale packages in ``packages`` (the isolation proof's premise)."""
+    wanted = sorted(p.removeprefix("vescale-") for p in packages)
+    code = ("import importlib.util, sys\n"
+            "found = sorted(n for n in sys.argv[1].split(',') if importlib.util.find_spec('vescale.' + n))\n"
+            "assert found == sys.argv[2].split(','), f'importable vescale packages: {found}, expected {sys.argv[2]}'")
+    if session.run("python", "-c", code, ",".join(p.removeprefix("vescale-") for p in PACKAGES), ",".join(wanted),
+                   silent=True, log=False) is not None:  # (None: skipped, --install-only)
+        session.log(f"venv checked: the only vescale packages it can import are {', '.join(wanted)}")
 
 
 @nox.session
-@nox.parametrize("package", list(PACKAGES))
+@nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
-    """One package alone in its own venv: install it with its declared siblings, run its tests."""
-    _install(session, PACKAGES[package] + [package])
+    """One package alone in its venv, with only the siblings it declares; runs the package's tests.
+
+    Installs the package and those siblings editable, with their test extras (pytest, hypothesis, transformers, ...;
+    the checkpoint's [s3] too). ``nox -s tests`` runs every package, ``nox -s "tests(vescale-core)"`` one.
+
+    Before the tests, the venv is checked to import no other vescale package: each package's ``src/`` holds only its
+    own ``vescale/<sub>``, so an editable install exposes nothing more than a wheel would.
+    """
+    packages = PACKAGES[package] + [package]
+    _install(session, packages, extras={p: TEST_EXTRAS.get(p, "[test]") for p in packages})
+    _check_only(session, packages)
     session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "packages" / package / "tests"), *session.posargs)
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """Every package together: the cross-package matrix over world sizes 1, 2, 4, 8 and mesh shapes.
+    """The cross-package matrix over world sizes 1, 2, 4, 8 and mesh shapes, with every package installed.
+
+    Installs every package editable with its [test] extras, plus what the tools import (the matrix runs
+    tools/train.py): transformers, tokenizers, matplotlib.
 
     Select part of the matrix with pytest options, e.g. ``nox -s integration -- -k ws4``.
     """
-    _install(session, list(PACKAGES))
-    # tokenizers: train.py's data (tools/prepare_data.py: the default corpus's BPE, --tokenizer DIR)
-    session.install("--no-compile", "transformers>=4.45", "tokenizers", "matplotlib")
+    _install(session, list(PACKAGES), extras="[test]", requirements=tuple(TOOLS))
     session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "integration_tests"), *session.posargs)
 
 
 @nox.session
 def train(session: nox.Session) -> None:
-    """The main job: ``tools/train.py`` with every package installed; arguments after ``--`` go to it.
+    """The main job, ``tools/train.py``; arguments after ``--`` go to it.
+
+    Installs every package editable and what the tools import: transformers (``--model llama``, ``mixtral``,
+    ``gpt2``, a Hugging Face directory), tokenizers, matplotlib.
 
     ``nox -s train`` trains the default ~11M-parameter model on 2 CPU ranks; ``nox -s train -- --mesh
-    pp=2,dp=2,tp=2 --steps 100`` picks another mesh.
+    pp=2,dp=2,tp=2 --steps 100`` picks another mesh, ``nox -s train -- --model llama --mesh dp=2,tp=2`` an
+    unmodified transformers model.
     """
-    _install(session, list(PACKAGES), extras="")
-    session.install("--no-compile", "tokenizers", "matplotlib")  # tokenizers: the default corpus's BPE
+    _install(session, list(PACKAGES), requirements=tuple(TOOLS))
     session.run("python", str(ROOT / "tools" / "train.py"), *session.posargs)
 
 
@@ -79,10 +143,11 @@ def train(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark in ``tools/bench`` at its small size; each prints one JSON object, collected in bench_out/.
 
+    Installs every package editable and what the tools import (transformers: the Hugging Face model benchmarks).
+
     ``nox -s bench -- NAME`` runs only ``tools/bench/NAME.py``; without ``--small`` use the script directly.
     """
-    _install(session, list(PACKAGES), extras="")
-    session.install("--no-compile", "transformers>=4.45", "matplotlib")
+    _install(session, list(PACKAGES), requirements=tuple(TOOLS))
     out = ROOT / "bench_out"
     out.mkdir(exist_ok=True)
     scripts = sorted((ROOT / "tools" / "bench").glob("*.py"))
@@ -96,6 +161,6 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole tree."""
-    session.install("ruff")
+    """ruff (only) over the whole tree."""
+    _install(session, [], requirements=("ruff",))
     session.run("ruff", "check", str(ROOT))

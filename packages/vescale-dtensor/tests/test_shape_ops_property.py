@@ -6,8 +6,14 @@ Hypothesis draws a shape, placements (``InterleavedShard``, uneven ``Shard``, ``
 strided slice, cat, stack, transpose, permute, contiguous after transpose, clone, expand) over 1-d meshes of 2 and 4
 ranks and a 2x2 mesh. The examples are drawn (derandomised) in the test process and each example set runs inside one
 multi-rank call. Each result must be a DTensor whose ``full_tensor()`` and local pieces equal the plain op's result and
-its slice, with the input gradient of ``(full_tensor(out) * g).sum()`` equal to the plain one, or the op must raise
-an error that says what to do (redistribute) or names the placement torch cannot handle (``RaggedShard``).
+its slice, with the input gradient of ``sum_i (full_tensor(piece_i) * g_i).sum()`` over every piece (all pieces of a
+split or chunk) equal to the plain one. Views of the contiguous input (view, reshape, flatten, unflatten) must share
+its local storage and issue no collective.
+
+A refusal is accepted only as a named error type, never by its message: a ``PlacementError`` for a ``RaggedShard``
+input (torch's shape ops do not know it) and a ``ViewRedistributeError`` for a view that no placement keeps a view
+of the local shards; any other exception, or a refusal of another op, fails. The share of refused views is bounded
+per mesh (:data:`MAX_VIEW_REFUSED`, with the measured shares).
 """
 
 from __future__ import annotations
@@ -22,10 +28,6 @@ from vescale.core.testing import run_on_ranks
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                     database=None)
-
-#: Substrings of an acceptable refusal: torch's and vescale's errors that tell the user to redistribute, or name the
-#: placement torch's ops do not know.
-CLEAR_ERRORS = ("redistribute", "RaggedShard", "RS(")
 
 
 def _placement(spec):
@@ -162,11 +164,45 @@ def _apply(op, t):
     return t.clone()
 
 
+#: The ops that are views of a contiguous input on one device and go through ``aten.view``: a result must share the
+#: input's local storage and issue no collective; a refusal must be a ``ViewRedistributeError``.
+VIEW_KINDS = ("view", "reshape", "flatten", "unflatten")
+
+
+def _named_refusal(error: BaseException, kinds: tuple[type, ...]) -> BaseException | None:
+    """The first exception of ``error``'s ``__cause__`` chain that is one of ``kinds`` (torch's dispatcher re-raises
+    a sharding rule's error as ``RuntimeError`` from it), else None."""
+    while error is not None:
+        if isinstance(error, kinds):
+            return error
+        error = error.__cause__
+    return None
+
+
+def _pieces(op, t):
+    """All results of ``op`` on ``t`` (every piece of a split or chunk, so that their backward is torch's cat of real
+    gradients), and the index of the one ``op`` selects."""
+    kind, args = op[0], op[1:]
+    if kind == "split":
+        return list(t.split(args[1], args[0])), args[2]
+    if kind == "chunk":
+        return list(t.chunk(args[1], args[0])), args[2]
+    return [_apply(op, t)], 0
+
+
 def _check(mesh, case):
-    """Run one case on every rank; return "ok" or "refused: <error>" (asserting the refusal is a clear one)."""
+    """Run one case on every rank; return "ok", "refused: view" or "refused: ragged" (asserting the refusal is one of
+    the named errors allowed for it)."""
     import torch
 
-    from vescale.dtensor import RaggedShard, distribute_tensor, full_tensor
+    from vescale.dtensor import (
+        PlacementError,
+        RaggedShard,
+        ViewRedistributeError,
+        count_comms,
+        distribute_tensor,
+        full_tensor,
+    )
     from vescale.dtensor.layout import local_slice
 
     shape, specs, op = case
@@ -174,32 +210,43 @@ def _check(mesh, case):
     ragged = any(isinstance(p, RaggedShard) for p in placements)
     full = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
     ref_in = full.clone().requires_grad_()
-    ref = _apply(op, ref_in)
-    g = torch.arange(ref.numel(), dtype=torch.float64).view(ref.shape) % 7 + 1
+    ref_pieces, pick = _pieces(op, ref_in)
+    ref = ref_pieces[pick]
     where = f"{op} on shape {shape} placements {placements} mesh {tuple(mesh.shape)}"
     x = distribute_tensor(full, mesh, placements)
     if not ragged:
         x.requires_grad_()
     try:
-        out = _apply(op, x)
-    except Exception as e:  # every refusal must be a clear one
-        msg = str(e)
-        assert any(s in msg for s in CLEAR_ERRORS), f"{where}: unclear error {type(e).__name__}: {msg}"
-        return f"refused: {type(e).__name__}"
+        with count_comms() as comms:
+            pieces, _ = _pieces(op, x)
+    except Exception as e:  # a refusal must be one of the named errors allowed for this case, nothing else
+        if ragged:  # torch's shape ops do not know RaggedShard: vescale refuses them
+            assert _named_refusal(e, (PlacementError,)) is not None, f"{where}: {type(e).__name__}: {e}"
+            return "refused: ragged"
+        assert op[0] in VIEW_KINDS, f"{where}: only views may be refused, got {type(e).__name__}: {e}"
+        assert _named_refusal(e, (ViewRedistributeError,)) is not None, f"{where}: {type(e).__name__}: {e}"
+        assert comms.total == 0, f"{where}: refused after {comms.counts}"
+        return "refused: view"
+    out = pieces[pick]
     assert tuple(out.shape) == tuple(ref.shape), (where, out.shape, ref.shape)
+    if op[0] in VIEW_KINDS:  # a view of the local tensor, not a gathered copy
+        assert comms.total == 0, f"{where}: the view issued {comms.counts}"
+        assert out.to_local().untyped_storage().data_ptr() == x.to_local().untyped_storage().data_ptr(), where
     got = full_tensor(out)
     assert torch.equal(got, ref.detach()), f"{where}: output placed {out.placements} differs from the plain op"
     if not any(isinstance(p, RaggedShard) for p in out.placements):
         want = local_slice(ref.detach(), mesh, out.placements)
         assert torch.equal(out.to_local(), want), f"{where}: local piece of {out.placements} is wrong"
-    # torch's backward of split/chunk with unused pieces mixes plain zeros into a DTensor cat, whatever the placement
-    if not ragged and op[0] not in ("split", "chunk"):
-        (ref * g).sum().backward()
-        try:
-            (got * g).sum().backward()
-        except Exception as e:
-            raise AssertionError(f"{where}: backward (output {out.placements}) raised {e}") from e
-        assert torch.equal(full_tensor(x.grad), ref_in.grad), f"{where}: gradient (output {out.placements}) differs"
+    if ragged:
+        return "ok"  # torch's backward of the ops above does not know RaggedShard
+    # the input gradient of sum_i (piece_i * g_i).sum() over every piece (one piece but for split and chunk)
+    grads = [torch.arange(p.numel(), dtype=torch.float64).view(p.shape) % 7 + 1 + i for i, p in enumerate(ref_pieces)]
+    sum((p * g).sum() for p, g in zip(ref_pieces, grads)).backward()
+    try:
+        sum((full_tensor(p) * g).sum() for p, g in zip(pieces, grads)).backward()
+    except Exception as e:
+        raise AssertionError(f"{where}: backward (output {out.placements}) raised {e}") from e
+    assert torch.equal(full_tensor(x.grad), ref_in.grad), f"{where}: gradient (output {out.placements}) differs"
     return "ok"
 
 
@@ -208,6 +255,14 @@ def _run_all(mesh_shape, cases):
 
     mesh = init_device_mesh("cpu", mesh_shape)
     return [_check(mesh, case) for case in cases]
+
+
+#: Upper bounds on the share of examples whose view is refused (``ViewRedistributeError``), per mesh. Measured on the
+#: derandomised draw of 150 examples per mesh (hypothesis 6.x): 16 (10.7 %) on 2 ranks, 12 (8.0 %) on 4 ranks and 32
+#: (21.3 %) on 2x2, where interleaved placements on both mesh dims often meet in one view group. Ragged inputs (27 and
+#: 24 of the 1-d examples) are refused by design except ``clone`` (26 and 21 refused). The bounds leave one to three
+#: points for another hypothesis version's draw; a rule that starts refusing views it kept fails here.
+MAX_VIEW_REFUSED = {(2,): 0.12, (4,): 0.10, (2, 2): 0.24}
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=str)
@@ -221,7 +276,15 @@ def test_shape_ops_match_plain_tensor(mesh_shape):
 
     collect()
     results = run_on_ranks(_run_all, math.prod(mesh_shape), mesh_shape, cases)
-    assert results[0] == results[-1]  # every rank took the same branch
-    # the draw exercises interleaved inputs, and most cases compute rather than refuse
+    assert all(r == results[0] for r in results)  # every rank took the same branch
+    outcome = results[0]
+    ragged = [c[1][0][0] == "G" for c in cases]
+    # the draw exercises interleaved inputs
     assert sum(any(s[0] == "I" for s in c[1]) for c in cases) >= len(cases) // 3
-    assert results[0].count("ok") >= len(cases) // 2, list(zip(cases, results[0]))
+    # refusals: ragged inputs only as ragged refusals, and views within the measured bound
+    assert all(is_ragged for is_ragged, r in zip(ragged, outcome) if r == "refused: ragged")
+    refused_views = outcome.count("refused: view")
+    assert refused_views <= MAX_VIEW_REFUSED[mesh_shape] * len(cases), (
+        f"{refused_views} of {len(cases)} views refused: "
+        f"{[c for c, r in zip(cases, outcome) if r == 'refused: view']}")
+    assert outcome.count("ok") + refused_views + outcome.count("refused: ragged") == len(cases)

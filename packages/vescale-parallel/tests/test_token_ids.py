@@ -5,11 +5,13 @@ One device's ``nn.Embedding`` raises ``IndexError`` for an id ``>= vocab_size`` 
 on one process (which must raise ``IndexError``):
 
 - vescale's test GPT on tp=2 (the DTensor path: torch's vocab-parallel rule), with and without sequence parallelism,
-  with the ids themselves sequence-sharded over tp (the bad id in one rank's half), and whole-model ``torch.compile(fullgraph=True)`` (``aot_eager``: the traced Megatron-style lookup);
+  with the ids themselves sequence-sharded over tp (the bad id in one rank's half), and whole-model
+  ``torch.compile(fullgraph=True)`` (``aot_eager``: the traced Megatron-style lookup);
 - a tiny Hugging Face Llama on tp=2, on the fast path (:class:`~vescale.parallel.local.FastModel`, Megatron's lookup
   on local tensors) and with the fast path off (DTensor path);
 - the Llama on dp2 x tp2, the bad id only in one dp rank's rows: the ranks of the other dp group raise too (the ids
-  are batch-sharded over dp; one all-reduce of two numbers makes the ranks agree instead of leaving some waiting).
+  are batch-sharded over dp; one all-reduce of two numbers makes the ranks agree instead of leaving some waiting);
+  the same under whole-model compile (an embedding and a linear layer on dp2 x tp2).
 
 For an id equal to ``vocab_size`` and for ``-1``, every rank raises
 :class:`~vescale.parallel.errors.TokenIdError` (an ``IndexError``) naming the id, the vocabulary size and the
@@ -90,11 +92,10 @@ def _single_device(build, tokens):
 @multi_rank(world_sizes=[2])
 def test_gpt_tp2_out_of_vocabulary_ids_raise_on_every_rank():
     import torch
+    from torch.distributed.tensor import Shard
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import gpt_plan, parallelize_module
-
-    from torch.distributed.tensor import Shard
 
     mesh = init_mesh({"tp": 2})
     r = mesh.get_local_rank("tp")
@@ -204,3 +205,38 @@ def test_check_token_ids_agrees_over_a_batch_sharded_dim():
         with pytest.raises(TokenIdError, match=shown):
             check_token_ids(ids, 10, "'e'", [dist.group.WORLD])
     check_token_ids(torch.zeros(0, dtype=torch.int64), 10, "'e'", [dist.group.WORLD])
+
+
+@multi_rank(world_sizes=[4])
+def test_compiled_lookup_with_batch_sharded_ids_raises_on_every_rank():
+    """Under whole-model compile on dp2 x tp2 with the ids sharded over dp (the bad id in dp rank 0's rows): the
+    traced check reduces the ids' extremes over dp (a functional all-reduce in the graph), so every rank raises."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard
+
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import TokenIdError, parallelize_module
+
+    mesh = init_mesh({"dp": 2, "tp": 2})
+    d = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 4))
+    batch = [Shard(0), Replicate()]
+    model = parallelize_module(copy.deepcopy(ref), mesh, {"parameter": {r"0\.weight": [Replicate(), Shard(0)]},
+                                                          "input": {"": [batch]},
+                                                          "output": {"0": [batch], "": [batch]}})
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).chunk(2)[d]
+        torch.testing.assert_close(compiled(ids.chunk(2)[d]), want, rtol=RTOL, atol=ATOL)
+        for value in (16, -1):
+            bad = ids.clone()
+            bad[0, 2] = value
+            with pytest.raises(TokenIdError, match=rf"token id {value} .*embedding '0' with vocabulary size 16"):
+                compiled(bad.chunk(2)[d])
+        torch.testing.assert_close(compiled(ids.chunk(2)[d]), want, rtol=RTOL, atol=ATOL)

@@ -3,8 +3,9 @@
 Each box becomes a :class:`Job` reading from the local piece. ``stage`` gives every job a slot in the write plan's
 reused host buffer (pinned when on GPU) and copies the jobs that must be copied before ``save`` returns. The jobs of
 tensors only an optimizer step changes in place are copied later, in the background (:func:`copy_deferred`), when
-their piece is one contiguous run of memory; before ``save`` returns, ``stage`` takes a :func:`fingerprint` of each
-(its bytes summed in blocks, the cost of about half a copy on CPU, a kernel on GPU), and they carry their version
+their piece has a fingerprint (it is contiguous, or rows of whole 8-byte words: :func:`fingerprint_rows`); before
+``save`` returns, ``stage`` takes the :func:`fingerprint` of each (block sums of its bytes: one read of them, on CPU
+about half the time of copying them, on GPU kernels queued on the caller's stream), and they carry their version
 counters. The background copy fails if a version counter moved or if the copy's fingerprint differs from the one
 taken in ``save``: a write that bypasses the counter (through ``.data``, a NumPy view, another tensor sharing the
 storage) changes the bytes, so the committed data are the data at save time unless the change leaves every block
@@ -31,7 +32,8 @@ from vescale.checkpoint._save_plan import WritePlan, numel
 from vescale.checkpoint.errors import CheckpointError
 from vescale.core import torch_internals
 
-__all__ = ["Job", "Deferred", "make_jobs", "materialize", "stage", "copy_deferred", "fingerprint"]
+__all__ = ["Job", "Deferred", "make_jobs", "materialize", "stage", "copy_deferred", "fingerprint",
+           "fingerprint_rows"]
 
 _ALIGN = 64  # staging slots start on cache-line boundaries (shifted by under 8 bytes; see stage)
 _COPY_SLICE = 16 << 20  # bytes per copy (and per fingerprint slice) when several threads snapshot

@@ -26,6 +26,11 @@ ZeRO ``DistributedOptimizer``, a DTensor with vescale's ``RaggedShard`` placemen
 :func:`flat_range_boxes` maps a contiguous range of a flattened tensor (a ZeRO shard) to boxes, and
 :func:`init_optimizer_state` builds a ``torch.optim`` optimizer's lazy state, for implementers and consumers.
 
+A plain tensor that is a piece of a global tensor says so once, with :func:`mark_piece` (read back with
+:func:`piece_of`, a :class:`GlobalPiece`): which box of which global tensor it is, over which mesh dims the global
+tensor is split, and whether it counts in norms (a tied copy another holder counts does not). Gradient norms, DDP,
+ZeRO and checkpoints read that one annotation.
+
 ``import vescale.core.sharded_state`` does not import torch; ``data`` is any ``torch.Tensor``.
 """
 
@@ -51,6 +56,9 @@ __all__ = [
     "is_sharded_stateful",
     "is_box_placement",
     "init_optimizer_state",
+    "GlobalPiece",
+    "mark_piece",
+    "piece_of",
 ]
 
 
@@ -133,6 +141,55 @@ class BoxPlacement(Protocol):
         ``coordinate`` of this placement's mesh dim (every other mesh dim is ``Replicate``), ``data`` views of
         ``local``; empty boxes are left out."""
         ...
+
+
+@dataclass(frozen=True)
+class GlobalPiece:
+    """What a plain tensor is a piece of (see :func:`mark_piece`).
+
+    ``global_shape`` / ``offsets``: the box of the global tensor this tensor holds (its shape is the box's lengths),
+    or None when only ``groups`` is known (a flat ZeRO shard of a flattened tensor). ``groups``: ``{mesh dim: this
+    rank's process group along it}`` for the dims the global tensor is split over: the pieces on those ranks are
+    disjoint, so a norm sums them there. ``counts_in_norm=False``: an identical copy another holder counts (a tied
+    weight's later pipeline holders), left out of norms but still clipped.
+    """
+
+    global_shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
+    groups: tuple[tuple[str, Any], ...] = ()
+    counts_in_norm: bool = True
+
+    @property
+    def group_map(self) -> dict[str, Any]:
+        return dict(self.groups)
+
+
+_PIECE = "_vescale_global_piece"
+
+
+def mark_piece(tensor: Any, *, global_shape: Sequence[int] | None = None, offsets: Sequence[int] | None = None,
+               groups: Any = None, counts_in_norm: bool | None = None) -> Any:
+    """Record on ``tensor`` (a ``torch.Tensor`` or ``nn.Parameter``) what global tensor it is a piece of; fields not
+    given keep what an earlier mark said (``groups`` are merged, by dim name). Returns ``tensor``. Raises
+    :class:`ShardedStateError` when ``offsets`` and ``global_shape`` do not fit the tensor's shape."""
+    old = getattr(tensor, _PIECE, None) or GlobalPiece()
+    shape = tuple(int(n) for n in global_shape) if global_shape is not None else old.global_shape
+    at = tuple(int(o) for o in offsets) if offsets is not None else old.offsets
+    if (shape is None) != (at is None) or (shape is not None and (
+            len(shape) != len(at) or len(shape) != tensor.dim()
+            or any(o < 0 or o + n > s for o, n, s in zip(at, tensor.shape, shape)))):
+        raise ShardedStateError(f"a piece of shape {tuple(tensor.shape)} at offsets {at} does not fit a global "
+                                f"tensor of shape {shape}")
+    merged = {**old.group_map, **dict(groups or {})}
+    piece = GlobalPiece(shape, at, tuple(sorted(merged.items(), key=lambda kv: kv[0])),
+                        old.counts_in_norm if counts_in_norm is None else bool(counts_in_norm))
+    setattr(tensor, _PIECE, piece)
+    return tensor
+
+
+def piece_of(tensor: Any) -> GlobalPiece | None:
+    """What :func:`mark_piece` recorded on ``tensor``, or None."""
+    return getattr(tensor, _PIECE, None)
 
 
 def is_sharded_stateful(obj: Any) -> bool:

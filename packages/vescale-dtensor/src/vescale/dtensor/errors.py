@@ -16,8 +16,9 @@ class ViewRedistributeError(PlacementError, RuntimeError):
     """A view op (``view`` and the ``flatten``/``unflatten``/``reshape`` calls that become one, ``squeeze``,
     ``unsqueeze``, ``permute``, ``transpose``, ``expand``) on a DTensor cannot be computed as a view of each rank's
     local tensor: it would need a redistribution, whose result is a copy, not an alias of the input. Raised on every
-    rank during sharding propagation, before any collective. A ``RuntimeError`` like torch's own refusal of such views
-    (torch's dispatcher re-raises it as a ``RuntimeError`` whose ``__cause__`` it is)."""
+    rank during sharding propagation, before any collective. A ``RuntimeError`` like torch's own refusal of such views:
+    ``view`` (and the calls that become one) raises it as this type, the other ops as torch's dispatcher re-raises
+    errors of sharding rules, a plain ``RuntimeError`` whose ``__cause__`` it is."""
 
 
 class StrictRedistributeError(VescaleError, RuntimeError):

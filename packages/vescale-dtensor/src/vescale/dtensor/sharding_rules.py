@@ -35,6 +35,9 @@ local generator, which would not reproduce the single-device result (vescale's c
   or splits an unevenly sharded dim is refused (torch's "is not evenly divisible by mesh dimension"), never computed
   on a gathered copy, which would not alias its input.
 
+* ``aten.clone`` of a ``RaggedShard`` DTensor: local, same placement (see :func:`_clone_of_ragged`); torch's rule asked
+  for a redistribution it does not support.
+
 * ``aten.split`` / ``aten.split_with_sizes`` of an ``InterleavedShard`` dim at its chunk boundaries (GPT-2's fused
   ``c_attn`` output into q, k, v): local, each piece ``Shard`` (see :func:`_split_interleaved`); torch's rule gathers
   the dim first.
@@ -60,8 +63,10 @@ from vescale.core.torch_internals import (
     register_op_strategy,
 )
 from vescale.core.torch_internals import StridedShard as _StridedShard
+from vescale.dtensor.errors import PlacementError, ViewRedistributeError
 from vescale.dtensor.layout import relaid_as_declared, smallest_shard
-from vescale.dtensor.placements import InterleavedShard
+from vescale.dtensor.placements import InterleavedShard, RaggedShard
+from vescale.dtensor.strict import is_strict
 
 __all__ = ["ATTENTION_DROPOUT_ERROR", "install"]
 
@@ -218,7 +223,8 @@ def _grouped_mm_on_replicated(op_call, args: tuple, kwargs: dict):
 
 
 def _view_of_relaid(op_call, args: tuple, kwargs: dict):
-    """``aten.view`` on a DTensor, retried on a re-laid local tensor when the local view fails.
+    """``aten.view`` on a DTensor, retried on a re-laid local tensor when the local view fails, and as reshape's copy
+    inside autograd's backward.
 
     DTensor declares an output's strides from the op's meta function, which for some kernels disagrees with what the
     kernel returns: an elementwise backward (``softplus_backward``) of a transposed gradient and a contiguous input
@@ -226,9 +232,15 @@ def _view_of_relaid(op_call, args: tuple, kwargs: dict):
     viewable by its declared strides but not locally, so ``reshape`` (which autograd's ``ViewBackward`` and model code
     call) takes the view path and fails on the local tensor. Here the local tensor is then laid out as declared (a
     copy; the values are the same, no communication) and viewed; a view that is invalid for the declared strides too
-    still raises. No other failure is retried: a view that cannot be a view of the local shards (an unevenly sharded
-    dim split or merged) raises torch's refusal as :class:`~vescale.dtensor.ViewRedistributeError`
-    (:mod:`vescale.dtensor.view_rules`), it is never computed on a gathered copy.
+    still raises.
+
+    A view that cannot be a view of the local shards (an unevenly sharded dim split or merged, a layout no placement
+    keeps) is refused with :class:`~vescale.dtensor.ViewRedistributeError` (:mod:`vescale.dtensor.view_rules`; raised
+    here as that type, with the message torch's dispatcher gave it), never computed on a gathered copy. The one
+    exception is a view issued while autograd runs a backward (outside strict mode): there it comes from a derivative
+    formula's ``reshape`` of a gradient (``ViewBackward``), whose contract allows a copy and which nothing aliases, so
+    the dims the view merges or splits are redistributed first (see :func:`_copy_of_refused_view`). Views outside a
+    backward are never retried.
     """
     with _torch_path(op_call, _view_of_relaid):
         try:
@@ -238,7 +250,40 @@ def _view_of_relaid(op_call, args: tuple, kwargs: dict):
                 raise
             if "view size is not compatible" in str(e):
                 return op_call(relaid_as_declared(args[0]), *args[1:], **kwargs)
+            if not _caused_by(e, ViewRedistributeError):
+                raise
+            if torch_internals.torch_graph_task_id() != -1 and not is_strict():
+                return _copy_of_refused_view(op_call, args[0], args[1])
+            # the named error itself (torch's dispatcher wrapped it in a plain RuntimeError), with torch's message
+            raise ViewRedistributeError(str(e)) from e
+
+
+def _caused_by(error: BaseException | None, kind: type) -> bool:
+    """Whether ``error`` or an exception of its ``__cause__`` chain is a ``kind`` (torch's dispatcher re-raises the
+    errors of sharding rules as ``RuntimeError`` from them)."""
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__
+    return False
+
+
+def _copy_of_refused_view(op_call, t: DTensor, size) -> DTensor:
+    """``t.view(size)`` computed on ``t`` redistributed so that it is a view: the mesh dims sharding a dim the view
+    merges or splits replicated (``view_rules.replicate_reshaped``), else every shard replicated. Each rank decides
+    from global shapes and placements alike; the redistribution is :func:`vescale.dtensor.redistribute` (interleaved
+    layouts on n-d meshes go through ``Replicate``)."""
+    from vescale.dtensor.api import redistribute  # api imports this module's installer
+    from vescale.dtensor.view_rules import replicate_reshaped
+
+    mesh = t.device_mesh
+    placements = replicate_reshaped(t, size)
+    try:
+        return op_call(redistribute(t, mesh, placements), size)
+    except RuntimeError as e:
+        if not _caused_by(e, ViewRedistributeError):
             raise
+    return op_call(redistribute(t, mesh, [Replicate() if p.is_shard() else p for p in t.placements]), size)
 
 
 @contextmanager
@@ -296,8 +341,6 @@ def _broadcast_source_placements(dst: DTensor, src: DTensor) -> list:
     than ``Shard``, ``InterleavedShard``, ``Replicate`` or ``Partial``; both depend on global shapes and placements
     only, so every rank raises alike.
     """
-    from vescale.dtensor.errors import PlacementError
-
     mesh = dst.device_mesh
     where = (f"aten.copy_ into a DTensor of global shape {tuple(dst.shape)} placed {tuple(dst.placements)} from one "
              f"of global shape {tuple(src.shape)} placed {tuple(src.placements)} on mesh {tuple(mesh.shape)} "
@@ -326,6 +369,19 @@ def _broadcast_source_placements(dst: DTensor, src: DTensor) -> list:
         else:
             targets.append(Shard(s))
     return targets
+
+
+def _clone_of_ragged(op_call, args: tuple, kwargs: dict):
+    """``aten.clone`` of a DTensor placed ``RaggedShard``: each rank clones its local piece, placed as the input (clone
+    is elementwise; no communication). torch's clone rule is a single-dim strategy, which cannot see the placement it
+    does not know and asks for an unsupported redistribution to ``Replicate``. Every other clone takes torch's path."""
+    t = args[0]
+    if isinstance(t, DTensor) and any(isinstance(p, RaggedShard) for p in t.placements):
+        spec = torch_internals.dtensor_spec(t)
+        local = torch_internals.local_tensor(t).clone(**kwargs)
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=t.shape, stride=t.stride())
+    with _torch_path(op_call, _clone_of_ragged):
+        return op_call(*args, **kwargs)
 
 
 def _split_interleaved(op_call, args: tuple, kwargs: dict):
@@ -407,6 +463,7 @@ def install() -> None:
         torch_internals.dtensor_custom_op_handlers()[aten._grouped_mm.default] = _grouped_mm_on_replicated
     torch_internals.dtensor_custom_op_handlers()[aten.view.default] = _view_of_relaid
     torch_internals.dtensor_custom_op_handlers()[aten.copy_.default] = _copy_into_partial
+    torch_internals.dtensor_custom_op_handlers()[aten.clone.default] = _clone_of_ragged
     for op in (aten.split.Tensor, aten.split_with_sizes.default):
         torch_internals.dtensor_custom_op_handlers()[op] = _split_interleaved
     _installed = True

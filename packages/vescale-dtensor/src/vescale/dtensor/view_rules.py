@@ -8,23 +8,28 @@ interleaved layouts wrong: ``[24] _StridedShard(sf=3)`` viewed as ``[4, 6]`` on 
 ``_StridedShard(1, sf=3)`` (wrong values), flattening a dim after an interleaved one fails with a bare ``KeyError``,
 and uneven pieces give local shapes that do not fit (``shape '[12]' is invalid for input of size 16``).
 
-The contract here: for every mesh dim holding a ``_StridedShard``, the output placement is one this module can
-prove correct, else that mesh dim of the input is redistributed to ``Replicate`` first (which
-:func:`vescale.dtensor.strict` turns into a :class:`~vescale.dtensor.StrictRedistributeError` naming the op, the
-placements and the mesh). The proof: a view keeps the row-major order of elements, and splits or merges whole groups of
-adjacent dims; a dim of size ``N`` placed ``_StridedShard(sf)`` on a mesh dim of size ``m`` is ``sf`` chunks of
-``N / sf`` elements, each cut in ``m`` pieces by ``torch.chunk``'s rule. Within one group (its flattened size ``F``)
-that is ``sf * (elements of the group before the dim)`` chunks of ``F / that`` elements, provided each chunk's cut
-falls on whole rows of the dims after it; the output then carries it on the output dim of the group where the chunk
-boundaries land, again only when the cut falls on whole rows there. Anything else (a group with two sharded mesh
-dims, a size not divisible by the split factor, a broadcast or repeated dim) is replicated. Mesh dims with plain
-``Shard``/``Replicate``/``Partial`` keep torch's own rules. Inputs without ``_StridedShard`` go to torch, whose
-output is then checked when two mesh dims shard the input: every mesh coordinate must hold as many elements in
-and out (nested uneven ``Shard``s broke that); if not, the merged or split dims are replicated first.
+The contract here: for every mesh dim holding a ``_StridedShard``, the output placement is one this module can prove
+correct, else that mesh dim of the input is redistributed to ``Replicate`` first, which only the ops that copy on one
+device may do (below). The proof: a view keeps the row-major order of elements, and splits or merges whole groups of
+adjacent dims; a dim of size ``N`` placed ``_StridedShard(sf)`` on a mesh dim of size ``m`` is ``sf`` chunks of ``N /
+sf`` elements, each cut in ``m`` pieces by ``torch.chunk``'s rule. Within one group (its flattened size ``F``) that is
+``sf * (elements of the group before the dim)`` chunks of ``F / that`` elements, provided each chunk's cut falls on
+whole rows of the dims after it; the output then carries it on the output dim of the group where the chunk boundaries
+land, again only when the cut falls on whole rows there. Anything else (a group with two sharded mesh dims, a size not
+divisible by the split factor, a broadcast or repeated dim) is replicated. Mesh dims with plain
+``Shard``/``Replicate``/``Partial`` keep torch's own rules. Inputs without ``_StridedShard`` go to torch, whose output
+is then checked when two mesh dims shard the input: every mesh coordinate must hold as many elements in and out (nested
+uneven ``Shard``s broke that); if not, the merged or split dims are replicated first.
 
-A view whose input had to be redistributed returns a new tensor, not an alias of its input (torch's view rules
-refuse such views on plain ``Shard``; vescale computes them rather than failing models that ``.view()`` a fused
-projection's output).
+A view stays a view: for the ops that alias their input on one device (:data:`ALIAS_VIEW_OPS`: ``view``, and so
+``flatten``/``unflatten``/``reshape`` of a viewable tensor, ``squeeze``, ``unsqueeze``, ``permute``, ``transpose``,
+``expand``) a strategy that would redistribute the input (torch's own fallback included) is refused with
+:class:`~vescale.dtensor.ViewRedistributeError`, as is torch's refusal of an unevenly sharded view; the error names
+the op, shape, placements, mesh and each mesh dim that would move, and why (torch's "is not evenly divisible by mesh
+dimension" where a shard is uneven). It is raised during sharding propagation, from global shapes and placements, so
+every rank raises it before any collective. ``reshape``'s copy path (``_unsafe_view`` of a clone), ``view_copy``,
+``expand_copy`` and ``repeat`` copy on one device too and may redistribute. (``sharding_rules._view_of_relaid`` takes
+a refused ``view`` issued inside autograd's backward, a gradient reshaped by a derivative formula, as that copy.)
 
 :class:`~vescale.dtensor.RaggedShard` inputs of these ops and of ``split``, ``slice`` (``narrow``, indexing),
 ``select``, ``cat``, ``stack``, ``unbind``, ``t`` and ``diagonal`` raise :class:`~vescale.dtensor.PlacementError`
@@ -73,7 +78,7 @@ from vescale.dtensor.errors import PlacementError, ViewRedistributeError
 from vescale.dtensor.layout import local_dim_indices, local_shape
 from vescale.dtensor.placements import RaggedShard
 
-__all__ = ["propagate_strided_view", "VIEW_OPS", "ALIAS_VIEW_OPS", "RAGGED_REFUSED", "install"]
+__all__ = ["propagate_strided_view", "replicate_reshaped", "VIEW_OPS", "ALIAS_VIEW_OPS", "RAGGED_REFUSED", "install"]
 
 aten = torch.ops.aten
 
@@ -375,6 +380,12 @@ def _replicate_reshaped(placements: Sequence[Placement], rule: Sequence) -> list
                 p = Replicate()
         out.append(p)
     return out
+
+
+def replicate_reshaped(t, size: Sequence[int]) -> list[Placement]:
+    """The placements of DTensor ``t`` with every mesh dim that shards a dim ``t.view(size)`` merges, splits or drops
+    set to ``Replicate`` (a layout the view keeps as it is, for the copy a refused view's caller may take instead)."""
+    return _replicate_reshaped(t.placements, _view_ops.dim_maps[Tensor.view](t, list(size)))
 
 
 def _view_strategy(op: OpOverload, dim_map_fn: Callable, strict_view: bool, torch_strategy: Callable

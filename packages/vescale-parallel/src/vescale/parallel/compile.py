@@ -204,7 +204,7 @@ def _checked_ids(ids: torch.Tensor, mesh, placements: list, vocab_size: int, nam
     from torch.distributed import _functional_collectives as funcol
 
     if ids.numel() == 0:
-        stats = torch.full((2,), -(2 ** 62), dtype=torch.int64, device=ids.device)
+        stats = ids.new_full((2,), -(2 ** 62), dtype=torch.int64)  # (a Tensor method: factory capture skips it)
     else:
         lo, hi = torch.aminmax(ids.to(torch.int64))
         stats = torch.stack([-lo.clamp(min=-(2 ** 62)), hi])

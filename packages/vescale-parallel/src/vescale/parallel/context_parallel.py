@@ -35,6 +35,18 @@ How it runs:
   every activation per rank falls as ``1 / cp`` except the gathered keys and values (``S x kv_heads x head_dim`` a
   layer). All-gather was chosen over a ring exchange because its backward is a single reduce-scatter and it needs
   no per-step send schedule; a ring overlaps better on a fast interconnect and is left for later.
+- **Packed rows.** Called as one device would find packed documents in a row (transformers' rule: ``position_ids``
+  given, no ``attention_mask`` and no KV cache, i.e. ``use_cache=False`` or the config's cache turned off by
+  gradient checkpointing; a new document wherever a position is not its predecessor's plus one, e.g. restarting at
+  0 as ``DataCollatorWithFlattening`` packs), each query attends only to the keys of its own document, causally:
+  the whole rows' document ids are computed once per call on every rank from the ``position_ids`` every rank holds
+  (no collective), passed to every attention layer as the keyword argument ``vescale_cp_documents`` (transformers
+  passes a forward's keyword arguments on to the attention, as flash attention's ``cu_seq_lens``), and the blockwise
+  kernel masks each block by document (a document may cross any chunk boundary). An attention module that drops
+  the argument is refused (``ContextParallelError`` on every rank, before the first key/value gather). With an
+  attention mask or a cache one device attends over the whole row, and so does cp. **Hook models** take one
+  ``positions`` vector for every row and their ``causal_attention`` has no document notion: a row is always one
+  causal sequence there, on one device as under cp (restarting ``positions`` move the rotary phases only).
 - **Loss.** With ``labels`` (transformers models) the model's own loss function receives this rank's labels already
   shifted (the shift is done on the whole sequence first, so no token loses its target at a chunk boundary) and the
   whole batch's count of target tokens divided by ``cp``: each rank's loss is its tokens' summed loss over ``N / cp``,
@@ -327,22 +339,15 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     ``position_ids`` ``[B or 1, S]``: a new document starts wherever a position is not its predecessor's plus one
     (so position ids restarting at 0, or any other jump, start one); ids count from 0 in each row. None when every
     row is a single document (transformers then builds the plain causal mask), decided from the values except while
-    a graph is traced (then always the ids, as transformers builds the packed mask then)."""
+    a graph is traced (then always the ids, as transformers builds the packed mask then; its own test of tracing is
+    used)."""
+    from transformers.utils.import_utils import is_tracing
+
     first = position_ids[:, :1] - 1
     docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    if not torch.compiler.is_compiling() and not _is_fx_tracing(docs) and not bool((docs[:, -1] != 0).any()):
+    if not is_tracing(docs) and not bool((docs[:, -1] != 0).any()):
         return None
     return docs
-
-
-def _is_fx_tracing(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a value of a graph being traced (torch.export / make_fx), where its values cannot be read."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t._local_tensor
-    return isinstance(t, FakeTensor) or torch.fx._symbolic_trace.is_fx_tracing() or torch._C._is_functional_tensor(t)
 
 
 @functools.cache
@@ -360,7 +365,8 @@ def context_parallel(model: nn.Module, mesh) -> nn.Module:
     dim); return it, its ``forward`` wrapped in place.
 
     Every cp rank calls the model with the same whole batch: a transformers model with ``input_ids`` ``[B, S]`` (``S``
-    divisible by ``2 * cp``), optional ``labels`` and ``position_ids`` of the same shape, an all-ones
+    divisible by ``2 * cp``), optional ``labels`` and ``position_ids`` of the same shape (packed rows, restarting
+    ``position_ids`` without a mask, attend per document as on one device: see the module docstring), an all-ones
     ``attention_mask`` or none; a hook model with ``tokens`` ``[B, S]``. The output (``logits``) holds this rank's
     positions (:func:`local_positions` order) and a transformers model's ``loss`` this rank's share (see the module
     docstring): mean the losses and the gradients over cp to get one device's.
@@ -432,11 +438,14 @@ def _hf_forward(model: nn.Module, size: int, rank: int):
         if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
             raise ContextParallelError("a KV cache (use_cache / past_key_values) is not supported under context "
                                        "parallelism: it serves generation, which cp does not")
+        # Packed rows (position_ids restarting inside a row): one device attends within each document when it
+        # looks for packing (transformers does without an attention mask and without a KV cache); so does every
+        # layer here then, from the whole rows' document ids
+        packs = (position_ids is not None and position_ids.dim() == 2 and attention_mask is None
+                 and not _one_device_caches(self, kwargs))
+        docs = document_ids(position_ids) if packs else None
         kwargs["use_cache"] = False
         index = local_positions(seq_len, size, rank).to(input_ids.device)
-        # Packed rows (position_ids restarting inside a row, no attention mask): one device attends within each
-        # document (transformers' packed-sequence detection); so does every layer here, from the whole rows' ids
-        docs = document_ids(position_ids) if position_ids is not None and attention_mask is None else None
         if docs is not None:
             kwargs[DOCUMENTS_KWARG] = docs
         if position_ids is None:
@@ -456,6 +465,19 @@ def _hf_forward(model: nn.Module, size: int, rank: int):
             _documents_expected -= docs is not None
 
     return types.MethodType(forward, model)
+
+
+def _one_device_caches(model: nn.Module, kwargs: dict) -> bool:
+    """Whether the unmodified model, called with ``kwargs``, would build a KV cache (and so not look for packed rows):
+    ``use_cache`` as given, else the config's, off under transformers' gradient checkpointing in training with
+    gradients enabled (transformers' own resolution, on the decoder model whose forward makes the cache)."""
+    base = getattr(model, "base_model", model)
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(getattr(base, "config", model.config), "use_cache", None)
+    if use_cache and getattr(base, "gradient_checkpointing", False) and base.training and torch.is_grad_enabled():
+        use_cache = False
+    return bool(use_cache)
 
 
 def gather_sequence(local: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:

@@ -22,9 +22,10 @@ over dp (``ep``: each ep rank runs the dense layers on its own rows). A paramete
 dp x ep), instead of one all-reduce per parameter: each rank's summand enters the buffer multiplied by ep and the
 bucket is averaged over dp x ep, so that a reduced gradient an earlier synchronised backward left in the buffer (the
 same on every rank) counts once when the next backward accumulates onto it. Until its bucket is reduced such a
-parameter's ``.grad`` / ``.main_grad`` therefore holds ep times this rank's summand. A parameter sharded on it (an expert, ``Shard(0)`` on ep) has its
-complete gradient already (the all-to-all brought every ep rank's tokens to it) and is reduced over dp only. Each
-group of parameters reduced over the same dims gets its own buffers and buckets (see :class:`_Reduction`).
+parameter's ``.grad`` / ``.main_grad`` therefore holds ep times this rank's summand. A parameter sharded on it (an
+expert, ``Shard(0)`` on ep) has its complete gradient already (the all-to-all brought every ep rank's tokens to
+it) and is reduced over dp only. Each group of parameters reduced over the same dims gets its own buffers and
+buckets (see :class:`_Reduction`).
 
 ``local_shards`` (expert parallelism with plain tensors, as in a captured pipeline stage whose experts are this
 rank's ``[E / ep, ...]`` slice): the same two groups for plain-tensor parameters. A plain parameter named there is
@@ -228,7 +229,7 @@ class DistributedDataParallel(nn.Module):
             raise DDPError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}{hint}")
         if not bucket_size_mb > 0:
             raise DDPError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
-        if not dist.is_initialized():
+        if mesh is not None and not dist.is_initialized():
             raise DDPError("DistributedDataParallel needs an initialised process group")
         self.module = module
         if mesh is None:  # no data parallelism: the buffer (fp32 accumulation for masters) without any collective

@@ -248,7 +248,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str,
         lo, hi = torch.aminmax(ids.to(torch.int64))
         stats = torch.stack([-lo.clamp(min=-(2 ** 62)), hi])
     else:  # nothing to check here; the others' ids still count
-        stats = torch.full((2,), -(2 ** 62), dtype=torch.int64, device=ids.device)
+        stats = ids.new_full((2,), -(2 ** 62), dtype=torch.int64)  # (a Tensor method: factory capture skips it)
     for group in groups:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     neg_lo, hi = stats.tolist()
