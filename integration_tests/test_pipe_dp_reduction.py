@@ -47,8 +47,9 @@ def _run(zero: int, dtensor_stages: bool = False) -> dict:
     post-accumulate-grad dict never run: DDP stages then reduced nothing (zero gradients on pp x dp x tp)."""
     from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh, sub_mesh
+    from vescale.core.sharded_state import piece_of
     from vescale.parallel import DistributedDataParallel, DistributedOptimizer, clip_grad_norm_, parallelize_module
-    from vescale.parallel.clip_grad import grad_norm, mark_tied_copy
+    from vescale.parallel.clip_grad import grad_norm
     from vescale.pipe import PipeEngine
 
     mesh = init_mesh("pp=2,dp=2,tp=1" if dtensor_stages else "pp=2,dp=2")
@@ -63,12 +64,13 @@ def _run(zero: int, dtensor_stages: bool = False) -> dict:
 
         stage = parallelize_module(stage, sub_mesh(mesh, "tp"), {"parameter": {".*": [Replicate()]}}).to("cpu")
     engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss)
-    for p in engine.tied_copies():
-        mark_tied_copy(p)
     ddps = []
     engine.wrap_stages(lambda s, module, late: ddps.append(DistributedDataParallel(
         module, dp, zero_stage=zero, late_params=late, wait_in_backward=False)) or ddps[-1])
     ddp = ddps[0]
+    copies = engine.tied_copies()  # the engine marked them itself: left out of the norm, still clipped
+    assert len(copies) == (1 if pp.get_local_rank() == 1 else 0), copies
+    assert all(not piece_of(p).counts_in_norm for p in copies)
     engine.step(*mine)  # a first step, cleared as zero_grad(set_to_none=True) clears it: the checked step is the second
     for p in engine.parameters():  # (the tied sum must not subtract the first step's values still in DDP's buffer)
         p.grad = None

@@ -303,11 +303,11 @@ def _exported_logits(path: Path) -> torch.Tensor:
 def test_pipeline_expert_parallel_checkpoint_resumes_on_other_meshes(mixtral_reference_run, mixtral_resumed_reference,
                                                                     tmp_path, ranks):
     """pp=2,ep=2 saved at half way: each rank's stage writes its experts as its rows of the global [E, ...] tensors
-    (parameters and AdamW state; vescale.parallel.expert_state), the dense tensors once. Resumed on ep=2 (DTensor
-    experts), on pp=2,ep=2 (loaded back into the local [E / ep, ...] tensors) and on one process, each continues
-    the one-device curve (rtol 1e-4) and its first resumed step's gradients are those of the one-device run resumed
-    at the same step (LATER_STEP_TOL). The run's --export-hf loads with from_pretrained and gives the one-device
-    export's logits (LATER_STEP_TOL)."""
+    (parameters and AdamW state, placed by their vescale.core.sharded_state marks), the dense tensors once. Resumed
+    on ep=2 (DTensor experts), on pp=2,ep=2 (loaded back into the local [E / ep, ...] tensors) and on one process,
+    each continues the one-device curve (rtol 1e-4) and its first resumed step's gradients are those of the
+    one-device run resumed at the same step (LATER_STEP_TOL). The run's --export-hf loads with from_pretrained and
+    gives the one-device export's logits (LATER_STEP_TOL)."""
     half, first = STEPS // 2, tmp_path / "pp2ep2"
     ranks(train.train, 4, _cfg("pp=2,ep=2", first, model="mixtral", ckpt_every=half,
                                export_hf=str(tmp_path / "export")))
@@ -337,7 +337,7 @@ def test_pipeline_expert_parallel_checkpoint_resumes_on_other_meshes(mixtral_ref
 def test_pipeline_expert_parallel_zero1_checkpoint_resumes_on_ep2(mixtral_reference_run, mixtral_resumed_reference,
                                                                   tmp_path, ranks):
     """pp=2,ep=2 --zero 1 saved at half way: DistributedOptimizer's pieces of the stages' plain [E / ep, ...] experts,
-    in their local coordinates, moved into the global tensors (expert_state.LocalExpertsShardedOptimizer). Resumed on
+    placed in the global tensors by the experts' marks (optimizer_state reads mark_piece's offsets). Resumed on
     ep=2 with a plain AdamW over DTensor experts: the one-device curve and resumed gradients (LATER_STEP_TOL)."""
     half, first, resumed = STEPS // 2, tmp_path / "a", tmp_path / "b"
     ranks(train.train, 4, _cfg("pp=2,ep=2", first, model="mixtral", zero=1, ckpt_every=half))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 
 import models
@@ -12,7 +13,8 @@ import models
 from vescale.core.mesh import CANONICAL_DIM_ORDER, parse_mesh_spec
 from vescale.plan.spec import DTYPES, ParallelSpec, SpecError
 
-__all__ = ["INITS", "LR_SCHEDULES", "TrainConfig", "check_fits", "lr_at", "parallel_spec", "parse_args"]
+__all__ = ["INITS", "LR_SCHEDULES", "RUN_OUTPUTS", "TrainConfig", "check_fits", "lr_at", "parallel_spec", "parse_args",
+           "prepare_out"]
 
 INITS = ("deferred", "eager")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -68,6 +70,7 @@ class TrainConfig:
     # flight recorder: no call sites, but no per-op cost)
     export_hf: str | None = None  # directory: the trained model as from_pretrained loads it (+ config, tokenizer)
     peak_tflops: float = 0.0  # one device's peak (dense, the run's dtype) for the MFU figure; 0: no MFU
+    overwrite: bool = False  # replace another run's outputs in --out
     spec: str | None = None  # a ParallelSpec JSON file (vescale.plan); its fields replace the parallelism flags
     tp_plan: str | None = None  # "auto" or a vescale.parallel.PLANS family; None: the model family's hand plan
     split_points: list | None = None  # module FQNs starting pipeline stages 1..; None: balanced by parameters
@@ -79,6 +82,56 @@ def parallel_spec(cfg: TrainConfig) -> ParallelSpec:
     model family's hand plan, else ``auto``)."""
     fields = {spec_name: getattr(cfg, name) for name, spec_name in SPEC_FIELDS.items()}
     return ParallelSpec(**fields, tp_plan=cfg.tp_plan or models.plan_family(cfg.model))
+
+
+#: What a run writes into ``--out`` (``collectives-rank*.json`` and ``flight-recorder-rank*`` too, after a hang)
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "timeline.json", "timeline.png", "ckpt", "export-hf-ckpt")
+
+
+def prepare_out(cfg: TrainConfig, *, under_launcher: bool) -> None:
+    """Settle ``cfg.out`` before any rank starts, so no run mixes its outputs with another's: the default is a new
+    ``runs/run-<time>`` (``runs/latest`` links to it), or ``runs/latest`` itself under torchrun (whose ranks start
+    apart and must agree on one name). A directory holding another run's outputs is refused (SystemExit naming them)
+    unless ``--overwrite`` (they are removed first, by one process) or ``--resume`` names a checkpoint inside it (the
+    run continues there). ``--resume`` must name a vescale checkpoint directory."""
+    import shutil
+    import time
+    from pathlib import Path
+
+    if cfg.resume is not None:
+        resume = Path(cfg.resume)
+        if not (resume / "metadata.json").is_file():
+            hint = " (a run's checkpoints are its <out>/ckpt/step_N directories)" if resume.is_dir() else ""
+            raise SystemExit(f"train.py: --resume {cfg.resume} is not a vescale checkpoint: no "
+                             f"{resume / 'metadata.json'}{hint}")
+        cfg.resume = str(resume.resolve())  # before runs/latest moves to the new run
+    if cfg.out is None and not under_launcher:
+        runs = Path("runs")
+        out = runs / time.strftime("run-%Y%m%d-%H%M%S")
+        while out.exists():
+            out = out.with_name(out.name + "-1")
+        out.mkdir(parents=True)
+        latest = runs / "latest"
+        if latest.is_symlink() or not latest.exists():
+            latest.unlink(missing_ok=True)
+            latest.symlink_to(out.name)
+        cfg.out = str(out)
+        return
+    cfg.out = cfg.out or "runs/latest"
+    out = Path(cfg.out)
+    found = [n for n in RUN_OUTPUTS if (out / n).exists()]
+    found += sorted(p.name for p in out.glob("collectives-rank*.json"))
+    inside = cfg.resume is not None and out.exists() and Path(cfg.resume).is_relative_to(out.resolve())
+    if not found or inside:
+        return
+    if not cfg.overwrite:
+        raise SystemExit(f"train.py: --out {cfg.out} holds another run's outputs ({', '.join(found)}); pass "
+                         "--overwrite to replace them, --resume one of its checkpoints to continue that run, or "
+                         "another --out")
+    if os.environ.get("RANK", "0") == "0":  # (torchrun: one process removes them)
+        for name in found:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -132,8 +185,8 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
         problems.append(f"--eval-every needs a held-out split: --heldout {cfg.heldout} must lie in (0, 1)")
     if pp > 1 and ep > 1 and cfg.dtype != "fp32" and (cfg.ckpt_every or cfg.resume):
         problems.append(f"checkpoints (--ckpt-every, --resume) of pp x ep with --dtype {cfg.dtype} are not "
-                        "supported yet (the fp32 masters of the stages' plain [E / ep, ...] experts, moved into the "
-                        "global tensors by vescale.parallel.expert_state, are untested); fp32 ones are")
+                        "supported yet (the fp32 masters of the stages' plain [E / ep, ...] experts, placed in the "
+                        "global tensors by their GlobalPiece marks, are untested); fp32 ones are")
     problems += models.pretrained_problems(cfg.model)
     if cfg.export_hf and not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         problems.append(f"--export-hf needs a Hugging Face model (a model directory or one of "
@@ -145,6 +198,10 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
     return spec
 
 
+class _HelpFormat(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
+    """``--help`` with each flag's default, help lines kept as written."""
+
+
 def _schedules() -> list[str]:
     from vescale.pipe.schedule import schedule_names
 
@@ -153,7 +210,7 @@ def _schedules() -> list[str]:
 
 def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     """``TrainConfig`` from the command line ``argv``; a usage error (exit 2) for a malformed or unsupported mesh."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormat)
     d = TrainConfig()
     p.add_argument("--mesh", default=d.mesh, help="named mesh, e.g. pp=2,dp=2,tp=2 (product = number of ranks)")
     p.add_argument("--model", default=d.model,
@@ -211,7 +268,12 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--sample-every", type=int, default=d.sample_every, metavar="N",
                    help="print greedy and sampled continuations every N steps (always at the end on real text)")
     p.add_argument("--prompt", default=None, help="the samples' prompt (default: the held-out split's start)")
-    p.add_argument("--out", default=d.out)
+    p.add_argument("--out", default=None,
+                   help="the run's directory (default: a new runs/run-<time>, linked as runs/latest; under torchrun\n"
+                        "runs/latest). One that holds another run's outputs is refused unless --overwrite (or\n"
+                        "--resume from a checkpoint inside it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs (metrics, plots, summary, checkpoints) another run left in --out")
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="async checkpoint every N steps (0: off)")
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from (any mesh)")
     p.add_argument("--trace-steps", type=int, default=d.trace_steps, help="steps recorded in timeline.json")

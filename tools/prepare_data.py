@@ -137,6 +137,8 @@ def stdlib_tokenizer(files: list[Path] | None = None, cache: Path | None = None)
     target = (cache or cache_root()) / "tokenizers" / f"stdlib-{digest.hexdigest()[:16]}"
     if (target / "tokenizer.json").is_file():
         return target
+    print(f"prepare_data: training the default corpus's BPE tokenizer on {len(files)} standard library files "
+          f"(once; cached under {target.parent})", file=sys.stderr, flush=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -261,6 +263,8 @@ def prepare(data: str, tokenizer: str | Path | None = None, *, field: str = "tex
     tmp = target.with_name(f"{key}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    print(f"prepare_data: tokenizing {len(files)} file(s) of {source} (once; cached under {target})",
+          file=sys.stderr, flush=True)
     if binary:
         dtype_name = sidecar.get("dtype", "uint16")
         if dtype_name not in DTYPES:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunLog", "TimelineWindow", "dump_grads", "gather_per_rank", "state_bytes", "peak_memory_mb", "comm_time"]
+__all__ = ["RunLog", "TimelineWindow", "dump_grads", "gather_per_rank", "state_bytes", "peak_memory_mb"]
 
 
 def gather_per_rank(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -98,16 +98,6 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def comm_time(trace: dict) -> tuple[float, float]:
-    """Seconds inside collectives and p2p on rank 0, and the traced wall span, from a Chrome trace."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") == 0]
-    if not events:
-        return 0.0, 0.0
-    comm = sum(e["dur"] for e in events if e.get("cat") in ("collective", "p2p")) / 1e6
-    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e6
-    return comm, span
-
-
 class TimelineWindow:
     """Records the nD timeline (``vescale.pipe.Timeline``) of ``count`` steps into ``path``: from five steps after
     ``start`` (earlier when the run is shorter); nothing when ``count`` is 0. Every rank takes part."""
@@ -116,7 +106,6 @@ class TimelineWindow:
         self.mesh, self.count, self.path = mesh, count, path
         self.first = min(start + 5, steps - count) if count else -1
         self.timeline = None
-        self.comm_s = self.traced_s = 0.0
 
     def before(self, step: int) -> None:
         if step == self.first:
@@ -127,15 +116,8 @@ class TimelineWindow:
     def after(self, step: int) -> None:
         if self.timeline is not None and step == self.first + self.count - 1:
             self.timeline.__exit__(None, None, None)
-            trace = self.timeline.export(self.path)
-            if trace is not None:
-                self.comm_s, self.traced_s = comm_time(trace)
+            self.timeline.export(self.path)
             self.timeline = None
-
-    @property
-    def comm_share(self) -> float | None:
-        """Share of the traced steps' wall time rank 0 spent in communication (``None`` when nothing was traced)."""
-        return self.comm_s / self.traced_s if self.traced_s else None
 
 
 class RunLog:

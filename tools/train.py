@@ -44,7 +44,7 @@ TOOLS = str(Path(__file__).resolve().parent)
 if TOOLS not in sys.path:  # config, models, data and report live next to this file (tests load it by path)
     sys.path.insert(0, TOOLS)
 import models  # noqa: E402
-from config import TrainConfig, check_fits, lr_at, parse_args  # noqa: E402
+from config import TrainConfig, check_fits, lr_at, parse_args, prepare_out  # noqa: E402
 from data import DataError, open_data, resume_offset  # noqa: E402
 from evaluate import TextMonitor  # noqa: E402
 from report import RunLog, TimelineWindow, dump_grads, gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
@@ -218,7 +218,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         "peak_memory_mb_per_rank": [round(float(p), 1) for p in per_rank[:, 0]], "init": cfg.init,
         "init_s_per_rank": [round(float(t), 3) for t in per_rank[:, 1]],
         "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in per_rank[:, 2]],
-        "communication_share_traced_steps": window.comm_share, "collectives_one_step": comms,
+        "collectives_one_step": comms,
         "grad_accum": cfg.grad_accum, "spec": json.loads(par.spec.to_json()) if isinstance(par.spec.tp_plan, str)
         else None, "model_flops_per_token": trainer.flops_per_token, "model_tflops": tflops,
         "mfu": tflops / (dist.get_world_size() * cfg.peak_tflops) if cfg.peak_tflops else None,
@@ -229,6 +229,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv, description=__doc__.splitlines()[0])
     spec = check_fits(cfg)  # before any rank starts: a bad mesh or flag is one clear message, not one per rank
+    prepare_out(cfg, under_launcher="WORLD_SIZE" in os.environ)  # never into another run's outputs
     try:  # tokenized once, here, before the ranks start (each rank then opens the cached token file)
         open_data(cfg, models.model_spec(cfg.model).vocab_size)
     except DataError as exc:

@@ -7,7 +7,7 @@ a small one (dispatch-bound, like a GPU decode step: 0.11M parameters) and a lar
 ``--small`` skips it), on a ``tp`` mesh:
 
 * vescale: ``vescale.parallel.parallelize_module`` with ``llama_plan`` (DTensor activations between the blocks, the
-  attention and MLP blocks on local tensors by the fast path of :class:`vescale.parallel.local.FastBlock`, plain
+  attention and MLP blocks on local tensors by the fast path of :class:`vescale.parallel.fast.FastBlock`, plain
   tensors at the model's boundary, the KV cache sharded by heads);
 * torch: ``torch.distributed.tensor.parallel.parallelize_module`` with Colwise q/k/v/gate/up, Rowwise o/down, a
   vocab-parallel embedding and a column-parallel lm head gathered to plain logits (local activations inside: the

@@ -13,8 +13,8 @@ matmuls), on a ``tp=2`` mesh of CPU ranks, parallelized three ways in the same r
   embedding, the identity forward / all-reduce backward before each block, an all-gather of the logits). No DTensor.
 * ``torch``: ``torch.distributed.tensor.parallel.parallelize_module`` (Colwise/Rowwise, local activations).
 * ``vescale``: ``vescale.parallel.parallelize_module`` with ``llama_plan`` (its attention and MLP blocks on the fast
-  path: local tensors between the plan's boundaries, see :class:`vescale.parallel.local.FastBlock`);
-* ``vescale_dtensor``: the same, with the fast path off (``vescale.parallel.local.fast_path(False)``): DTensor
+  path: local tensors between the plan's boundaries, see :class:`vescale.parallel.fast.FastBlock`);
+* ``vescale_dtensor``: the same, with the fast path off (``vescale.parallel.fast.fast_path(False)``): DTensor
   activations in every block, as before the fast path.
 
 Two steps: ``train`` (forward to full logits, cross-entropy, backward; no optimizer) and ``decode`` (one token of
@@ -200,7 +200,7 @@ def _rank_main(size: str, steps: int, decode_tokens: int, profile: bool, modes: 
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import llama_plan, parallelize_module
-    from vescale.parallel.local import FastBlock, fast_path
+    from vescale.parallel.fast import FastBlock, fast_path
 
     torch.set_num_threads(1)
     mesh = init_mesh({"tp": dist.get_world_size()})

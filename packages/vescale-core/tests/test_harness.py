@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from vescale.core.errors import RankError, RankTimeoutError
-from vescale.core.testing import multi_rank, pool_pids, run_on_ranks
+from vescale.core.testing import fails_if_hung, multi_rank, pool_pids, run_on_ranks
 
 
 def _rank_and_sum(offset):
@@ -77,26 +74,10 @@ def _hang_on(rank_to_hang):
     return t.item()
 
 
-@contextlib.contextmanager
-def _fails_if_hung(seconds: float) -> Iterator[None]:
-    """Fail the test, instead of hanging the run, if the body is still running after ``seconds`` (a guard against
-    a hang, not a timing: keep it minutes above any wait the body expects). Main thread only (SIGALRM)."""
-    def hung(signum, frame):
-        pytest.fail(f"still running after {seconds} s: the call hung", pytrace=False)
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def test_hung_rank_times_out_then_pool_recovers():
     run_on_ranks(_rank_and_sum, 2, 0)
     old = pool_pids(2)
-    with _fails_if_hung(300), pytest.raises(RankTimeoutError) as info:
+    with fails_if_hung(300), pytest.raises(RankTimeoutError) as info:
         run_on_ranks(_hang_on, 2, 1, timeout=3)
     # Only rank 1 hung (rank 0 waits for it in the all-reduce): both are named, and the message says why.
     assert info.value.ranks == [0, 1]

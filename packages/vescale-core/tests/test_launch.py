@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from vescale.core.errors import RankError, RankTimeoutError
 from vescale.core.launch import spawn
+from vescale.core.testing import fails_if_hung
 
 
 def _gather_ranks(tag):
@@ -52,27 +50,11 @@ def test_spawn_failure_names_rank():
     assert "KeyError: 'last rank fails'" in info.value.remote_traceback
 
 
-@contextlib.contextmanager
-def _fails_if_hung(seconds: float) -> Iterator[None]:
-    """Fail the test, instead of hanging the run, if the body is still running after ``seconds`` (a guard against
-    a hang, not a timing: keep it minutes above any wait the body expects). Main thread only (SIGALRM)."""
-    def hung(signum, frame):
-        pytest.fail(f"still running after {seconds} s: the call hung", pytrace=False)
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def test_spawn_timeout_is_an_error_not_a_hang():
     """Both ranks sleep past the timeout: a RankTimeoutError names both, with what they were running, and their
     processes are gone when spawn returns."""
     children = {p.pid for p in multiprocessing.active_children()}  # e.g. the test harness's pools
-    with _fails_if_hung(300), pytest.raises(RankTimeoutError) as info:
+    with fails_if_hung(300), pytest.raises(RankTimeoutError) as info:
         spawn(_sleep_forever, 2, timeout=2)
     assert info.value.ranks == [0, 1]
     assert "_sleep_forever: rank(s) [0, 1] of 2 did not finish in time" in str(info.value)

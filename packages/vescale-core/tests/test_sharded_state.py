@@ -1,5 +1,6 @@
 """The sharded-state protocol's helpers: flat ranges as boxes (checked exhaustively against numpy indexing on small
-shapes), ShardedTensor's checks, and recognising implementers."""
+shapes), ShardedTensor's checks, recognising implementers, and the one annotation of a plain piece (mark_piece /
+piece_of: merging marks, refusing a box that does not fit)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from vescale.core.errors import VescaleError
 from vescale.core.sharded_state import (
     Box,
     BoxPlacement,
+    GlobalPiece,
     ShardedStateError,
     ShardedStateful,
     ShardedTensor,
     flat_range_boxes,
     is_box_placement,
     is_sharded_stateful,
+    mark_piece,
+    piece_of,
 )
 
 
@@ -79,3 +83,45 @@ def test_implementers_are_recognised_by_interface():
     assert not is_sharded_stateful(_Holder) and not is_sharded_stateful(object())
     assert is_box_placement(_Placement()) and isinstance(_Placement(), BoxPlacement)
     assert not is_box_placement(object())
+
+
+def test_mark_piece_records_and_merges():
+    t = torch.nn.Parameter(torch.zeros(2, 3))
+    assert piece_of(t) is None
+    g_ep, g_tp, g_ep2 = object(), object(), object()  # stand-ins for process groups (only their identity matters)
+    assert mark_piece(t, global_shape=[8, 3], offsets=[4, 0], groups={"ep": g_ep}) is t
+    assert piece_of(t) == GlobalPiece((8, 3), (4, 0), (("ep", g_ep),), True) and piece_of(t).placed
+    mark_piece(t, groups={"tp": g_tp})  # the box is kept, the groups are merged (sorted by name)
+    assert piece_of(t).global_shape == (8, 3) and piece_of(t).offsets == (4, 0)
+    assert piece_of(t).groups == (("ep", g_ep), ("tp", g_tp)) and piece_of(t).counts_in_norm
+    mark_piece(t, counts_in_norm=False, groups={"ep": g_ep2})  # a dim named again takes the new group
+    assert piece_of(t).group_map == {"ep": g_ep2, "tp": g_tp} and not piece_of(t).counts_in_norm
+    mark_piece(t, offsets=(6, 0))  # one field alone; counts_in_norm stays False
+    assert piece_of(t).offsets == (6, 0) and piece_of(t).global_shape == (8, 3) and not piece_of(t).counts_in_norm
+    assert piece_of(t.detach()) is None and piece_of(t[0]) is None  # the mark is on the object itself
+
+    flat = mark_piece(torch.zeros(5), groups={"dp": g_ep})  # a flat shard: groups only, no box
+    assert piece_of(flat).global_shape is None and not piece_of(flat).placed and piece_of(flat).offsets is None
+    scalar = mark_piece(torch.zeros(()), global_shape=(), offsets=())
+    assert piece_of(scalar).global_shape == () and piece_of(scalar).placed
+
+
+def test_mark_piece_refuses_a_box_that_does_not_fit():
+    t = torch.zeros(2, 3)
+    with pytest.raises(ShardedStateError, match=r"shape \(2, 3\) at offsets \(7, 0\) does not fit .* \(8, 3\)"):
+        mark_piece(t, global_shape=(8, 3), offsets=(7, 0))  # rows 7..8 reach outside 8 rows
+    with pytest.raises(ShardedStateError, match="does not fit"):
+        mark_piece(t, global_shape=(8, 3), offsets=(-1, 0))
+    with pytest.raises(ShardedStateError, match="does not fit"):
+        mark_piece(t, global_shape=(8, 3, 1), offsets=(0, 0, 0))  # one global size per dim of the tensor
+    with pytest.raises(ShardedStateError, match="does not fit"):
+        mark_piece(t, global_shape=(8, 3), offsets=(0,))
+    with pytest.raises(ShardedStateError, match="needs both global_shape and offsets"):
+        mark_piece(t, global_shape=(8, 3))
+    with pytest.raises(ShardedStateError, match="keyed by mesh dim name"):
+        mark_piece(t, groups={0: object()})
+    assert piece_of(t) is None  # nothing recorded by a refused mark
+    mark_piece(t, global_shape=(4, 3), offsets=(2, 0))
+    with pytest.raises(ShardedStateError, match=r"at offsets \(3, 0\)"):
+        mark_piece(t, offsets=(3, 0))  # checked against the earlier mark's global shape
+    assert piece_of(t).offsets == (2, 0)  # the earlier mark is kept

@@ -1,4 +1,6 @@
-"""clip_grad_norm_ over a mix of TP shards, replicated/partial DTensors, plain tensors, ZeRO pieces and pp stages.
+"""clip_grad_norm_ over a mix of TP shards, replicated/partial DTensors, plain tensors, plain pieces (``mark_piece``)
+and pp stages; a copy marked ``counts_in_norm=False`` is left out of the norm and still clipped; the deprecated
+spellings (``mark_sharded``, ``mark_tied_copy``, ``is_tied_copy``) warn and mark the same.
 
 Reference: ``torch.nn.utils.clip_grad_norm_`` on the full gradients of every stage on one device. Tolerance: relative
 1e-6 on the norm and on the clipped gradients (the summation order differs).
@@ -28,7 +30,8 @@ def test_clip_over_tp_zero_and_pp_matches_single_device(norm_type, world_size):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from vescale.core.mesh import init_mesh, mesh_coordinates
-    from vescale.parallel import clip_grad_norm_, mark_sharded
+    from vescale.core.sharded_state import mark_piece
+    from vescale.parallel import clip_grad_norm_
 
     mesh = init_mesh({"pp": 2, "tp": 2})
     coords = mesh_coordinates(mesh)
@@ -55,7 +58,7 @@ def test_clip_over_tp_zero_and_pp_matches_single_device(norm_type, world_size):
     c = param(mine["c"].clone())
     lo, hi = (0, 3) if tp == 0 else (3, 10)
     z = param(mine["z"][lo:hi].clone())
-    mark_sharded(z, {"tp": tp_mesh.get_group()})
+    mark_piece(z, global_shape=(10,), offsets=(lo,), groups={"tp": tp_mesh.get_group()})
     q = param(DTensor.from_local(mine["q"] / 2, tp_mesh, [Partial()]))
     got = clip_grad_norm_([W, b, c, z, q], max_norm, norm_type=norm_type, pp_group=mesh["pp"].get_group())
 
@@ -112,3 +115,53 @@ def test_a_stage_without_gradients_joins_the_pp_reduction(world_size):
         assert torch.allclose(p.grad, grads[0] / (5.0 + 1e-6))
     else:
         assert p.grad is None
+
+
+@multi_rank(world_sizes=[2])
+def test_a_copy_that_does_not_count_is_left_out_of_the_norm_and_still_clipped(world_size):
+    """Two pp ranks each hold a copy of a tied weight with the same gradient; rank 1's is marked counts_in_norm=False:
+    the norm is one device's (the weight once), and both copies are scaled alike."""
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core.sharded_state import mark_piece
+    from vescale.parallel import clip_grad_norm_, grad_norm
+
+    rank = dist.get_rank()
+    tied = torch.nn.Parameter(torch.zeros(2))
+    tied.grad = torch.tensor([3.0, 4.0])
+    own = torch.nn.Parameter(torch.zeros(1))
+    own.grad = torch.tensor([12.0 if rank == 0 else 0.0])
+    unmarked = grad_norm([tied, own], pp_group=dist.group.WORLD)
+    assert torch.allclose(unmarked, torch.tensor(194.0).sqrt()), unmarked  # 2 (3^2 + 4^2) + 12^2: the tied weight twice
+    if rank == 1:
+        mark_piece(tied, counts_in_norm=False)
+    norm = clip_grad_norm_([tied, own], max_norm=1.0, pp_group=dist.group.WORLD)
+    assert torch.allclose(norm, torch.tensor(13.0)), norm  # sqrt(3^2 + 4^2 + 12^2): the tied weight once
+    assert torch.allclose(tied.grad, torch.tensor([3.0, 4.0]) / (13.0 + 1e-6)), (rank, tied.grad)
+
+
+def test_deprecated_spellings_warn_and_mark_as_mark_piece():
+    import torch
+
+    import vescale.parallel
+    from vescale.core.sharded_state import piece_of
+    from vescale.parallel.clip_grad import is_tied_copy, mark_sharded, mark_tied_copy
+
+    # still importable from vescale.parallel for one release
+    assert vescale.parallel.mark_sharded is mark_sharded and vescale.parallel.mark_tied_copy is mark_tied_copy
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = vescale.parallel.nope
+    group = object()  # a stand-in: marking only records it
+    t = torch.nn.Parameter(torch.zeros(3))
+    with pytest.warns(DeprecationWarning, match=r"mark_sharded.*use vescale\.core\.sharded_state\.mark_piece\(t, "
+                                                r"groups=groups\)"):
+        assert mark_sharded(t, {"tp": group}) is t
+    assert piece_of(t).group_map == {"tp": group} and piece_of(t).counts_in_norm
+    with pytest.warns(DeprecationWarning, match=r"is_tied_copy.*piece_of\(t\)\.counts_in_norm"):
+        assert not is_tied_copy(t)
+    with pytest.warns(DeprecationWarning, match=r"mark_tied_copy.*mark_piece\(t, counts_in_norm=False\)"):
+        assert mark_tied_copy(t) is t
+    assert piece_of(t).group_map == {"tp": group} and not piece_of(t).counts_in_norm
+    with pytest.warns(DeprecationWarning):
+        assert is_tied_copy(t)

@@ -6,8 +6,8 @@ one. Layouts, each on dp1 x ep2 (2 ranks) and dp2 x ep2 (4 ranks), a tiny Huggin
 
 - ``dtensor``: :func:`~vescale.parallel.parallelize_experts` over the ep sub-mesh, DDP with ``data_dims=("ep",)``
   (dense gradients reduced over dp x ep as summands, experts over dp);
-- ``local``: plain tensors (experts kept as ``[E / ep, ...]`` slices, ``local_shards``), as a pipeline stage holds
-  them;
+- ``local``: plain tensors (experts kept as ``[E / ep, ...]`` slices, marked as pieces over ep), as a pipeline stage
+  holds them;
 - ``plain``: the unmodified model, DDP over all ranks as one dp dim (no ``data_dims``).
 
 ZeRO 0 (torch SGD on ``.grad``), 1 and 2 (:class:`~vescale.parallel.DistributedOptimizer`). The reference is the
@@ -96,8 +96,7 @@ def _run(layout: str, zero: int, mode: str, dp: int, ref) -> dict[str, float]:
         ddp = DistributedDataParallel(model, mesh, zero_stage=2 if zero == 2 else 0, data_dims=("ep",))
     elif layout == "local":
         local = keep_local_experts(model, experts_as_operator(model, mesh), mesh)
-        ddp = DistributedDataParallel(model, mesh, zero_stage=2 if zero == 2 else 0, data_dims=("ep",),
-                                      local_shards={fqn: ("ep",) for fqn in local})
+        ddp = DistributedDataParallel(model, mesh, zero_stage=2 if zero == 2 else 0, data_dims=("ep",))
     else:
         ddp = DistributedDataParallel(model, init_mesh({"dp": dp * ep}), zero_stage=2 if zero == 2 else 0)
     if zero:

@@ -148,14 +148,17 @@ def test_dp_ep_ddp_and_zero_match_single_device():
 
 @multi_rank(world_sizes=[4])
 def test_data_dims_errors_before_any_collective():
+    import torch
+
     from vescale.core.mesh import init_mesh, sub_mesh
     from vescale.parallel import DistributedDataParallel, parallelize_experts
     from vescale.parallel.errors import DDPError
 
     mesh = init_mesh({"dp": 2, "ep": 2})
-    plain = _build()
+    mixed = parallelize_experts(_build(), sub_mesh(mesh, "ep"))  # a plain parameter among DTensors over ep
+    mixed.model.embed_tokens.weight = torch.nn.Parameter(torch.zeros_like(mixed.model.embed_tokens.weight.to_local()))
     with pytest.raises(DDPError, match=r"parameter 'model\.embed_tokens\.weight' is not a DTensor over data dim 'ep'"):
-        DistributedDataParallel(plain, mesh, data_dims=("ep",))
+        DistributedDataParallel(mixed, mesh, data_dims=("ep",))
     model = parallelize_experts(_build(), sub_mesh(mesh, "ep"))
     with pytest.raises(DDPError, match=r"data_dims \['ep'\] need a DeviceMesh with dims 'dp' and \['ep'\]"):
         DistributedDataParallel(model, mesh.get_group("dp"), data_dims=("ep",))

@@ -1,11 +1,12 @@
-"""DDP over plain-tensor expert parallelism (``DistributedDataParallel(..., data_dims=("ep",), local_shards=...)``),
-the layout of a captured pipeline stage under pp x ep.
+"""DDP over plain-tensor expert parallelism (``DistributedDataParallel(..., data_dims=("ep",))`` over plain
+parameters, the experts marked as pieces over ep), the layout of a captured pipeline stage under pp x ep.
 
 Mesh dp2 x ep2 (4 ranks). A tiny Hugging Face Mixtral (fp32, no load-balancing term: with plain per-rank tensors the
 router sees only its rank's rows) gets :func:`~vescale.parallel.experts.experts_as_operator` and
 :func:`~vescale.parallel.experts.keep_local_experts`: each rank holds its two of the four experts as plain
-``[2, ...]`` tensors and every dense parameter as a plain replica. DDP is told which parameters are local experts
-(``local_shards``) and is driven as ``PipeEngine`` drives a stage DDP: ``wait_in_backward=False``, then
+``[2, ...]`` tensors and every dense parameter as a plain replica. DDP learns which parameters are local experts from
+their marks (``mark_piece(..., groups={"ep": group})``, set by ``keep_local_experts``) and is driven as
+``PipeEngine`` drives a stage DDP: ``wait_in_backward=False``, then
 ``finish_grad_sync()``. Each (dp, ep) rank backpropagates its rows' mean loss / ep (its share of the step's loss).
 
 The reference is the untouched model in this process (Hugging Face's eager experts, nothing of vescale): one device
@@ -72,7 +73,7 @@ def _run(zero: int, clip: float, ref) -> dict:
     experts = experts_as_operator(model, mesh)
     local = keep_local_experts(model, experts, mesh)
     ddp = DistributedDataParallel(model, mesh, zero_stage=2 if zero == 2 else 0, data_dims=("ep",),
-                                  wait_in_backward=False, local_shards={fqn: ("ep",) for fqn in local})
+                                  wait_in_backward=False)
     for slot in ddp.slots.values():
         assert slot.buffer.reduction.name == ("dp" if slot.fqn in local else "dp+ep"), slot.fqn
     buckets = {name: sum(b.buffer.reduction.name == name for b in ddp.buckets) for name in ("dp", "dp+ep")}
@@ -136,21 +137,38 @@ def test_stage_ddp_with_plain_experts_matches_single_device_one_reduction_per_gr
 
 
 @multi_rank(world_sizes=[4])
-def test_local_shards_errors_before_any_collective():
+def test_piece_marks_errors_before_any_collective():
+    """A plain model with data_dims and no marks is replicated over dp x ep; a piece over dp, a piece whose group is
+    not the mesh's, a DTensor marked as a piece, and plain parameters among DTensors are refused, naming the FQN."""
+    import torch
+
     from vescale.core.mesh import init_mesh, sub_mesh
+    from vescale.core.sharded_state import mark_piece
     from vescale.parallel import DistributedDataParallel, parallelize_experts
     from vescale.parallel.errors import DDPError
 
     mesh = init_mesh({"dp": 2, "ep": 2})
-    plain = _build()
     name = "model.layers.0.mlp.experts.down_proj"
-    with pytest.raises(DDPError, match=r"local_shards names 'nope', which is not a gradient-requiring parameter"):
-        DistributedDataParallel(plain, mesh, data_dims=("ep",), local_shards={"nope": ("ep",)})
-    with pytest.raises(DDPError, match=r"local_shards\[.*down_proj'\] = \['dp'\]: expected one or more of the "
-                                       r"data_dims \['ep'\]"):
-        DistributedDataParallel(plain, mesh, data_dims=("ep",), local_shards={name: ("dp",)})
-    with pytest.raises(DDPError, match=r"local_shards .* needs data_dims"):
-        DistributedDataParallel(plain, mesh, local_shards={name: ("ep",)})
+    replicas = DistributedDataParallel(_build(), mesh, data_dims=("ep",))
+    assert {s.buffer.reduction.name for s in replicas.slots.values()} == {"dp+ep"}
+
+    def marked(**groups):
+        model = _build()
+        mark_piece(model.get_parameter(name), groups=groups)
+        return model
+
+    with pytest.raises(DDPError, match=r"parameter '.*down_proj' is marked as a piece over 'dp' .* the dim DDP "
+                                       r"averages over"):
+        DistributedDataParallel(marked(dp=mesh.get_group("dp")), mesh, data_dims=("ep",))
+    with pytest.raises(DDPError, match=r"'.*down_proj' is marked as a piece over 'ep' with ranks \[.*\], but the DDP "
+                                       r"mesh's dim 'ep' holds ranks"):
+        DistributedDataParallel(marked(ep=mesh.get_group("dp")), mesh, data_dims=("ep",))
     model = parallelize_experts(_build(), sub_mesh(mesh, "ep"))
-    with pytest.raises(DDPError, match=r"local_shards names .*down_proj', a DTensor"):
-        DistributedDataParallel(model, mesh, data_dims=("ep",), local_shards={name: ("ep",)})
+    mark_piece(model.get_parameter(name), groups={"ep": mesh.get_group("ep")})
+    with pytest.raises(DDPError, match=r"'.*down_proj' is a DTensor .* marked as a piece over data dims \['ep'\]"):
+        DistributedDataParallel(model, mesh, data_dims=("ep",))
+    model = parallelize_experts(_build(), sub_mesh(mesh, "ep"))
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(64, 32))
+    with pytest.raises(DDPError, match=r"parameter 'lm_head\.weight' is not a DTensor over data dim 'ep' but a plain "
+                                       r"tensor, while .* is a DTensor over \['ep'\]"):
+        DistributedDataParallel(model, mesh, data_dims=("ep",))

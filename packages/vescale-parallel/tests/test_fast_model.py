@@ -1,4 +1,4 @@
-"""The whole causal LM on local tensors (:class:`vescale.parallel.local.FastModel`): token ids in, logits out, the
+"""The whole causal LM on local tensors (:class:`vescale.parallel.fast.FastModel`): token ids in, logits out, the
 vocab-parallel embedding, rotary embedding, masks, every layer, the final norm and the lm head on this rank's local
 tensors with Megatron's explicit collectives.
 
@@ -50,7 +50,7 @@ def test_fast_model_matches_single_device_and_dtensor_path():
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import llama_plan, parallelize_module
-    from vescale.parallel.local import FastModel, fast_path
+    from vescale.parallel.fast import FastModel, fast_path
 
     mesh = init_mesh({"tp": 2})
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_fast_model_dp_tp_loss_parallel_qwen2():
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import parallelize_module, qwen2_plan, vocab_parallel_cross_entropy
-    from vescale.parallel.local import FastModel
+    from vescale.parallel.fast import FastModel
 
     mesh = init_mesh({"dp": 2, "tp": 2})
     torch.manual_seed(0)
@@ -147,7 +147,7 @@ def test_fast_model_stands_aside_where_it_cannot_show_equal():
     from vescale.dtensor import strict
     from vescale.dtensor.errors import StrictRedistributeError
     from vescale.parallel import llama_plan, parallelize_module
-    from vescale.parallel.local import FastLayer, FastModel
+    from vescale.parallel.fast import FastLayer, FastModel
 
     mesh = init_mesh({"tp": 2})
     torch.manual_seed(0)
@@ -197,7 +197,7 @@ def test_fast_model_decode_cache_and_logits_as_dtensor_path():
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import llama_plan, parallelize_module
-    from vescale.parallel.local import fast_path
+    from vescale.parallel.fast import fast_path
 
     mesh = init_mesh({"tp": 2})
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The fast path (:class:`vescale.parallel.local.FastBlock`, :class:`vescale.parallel.local.FastLayer`): known
+"""The fast path (:class:`vescale.parallel.fast.FastBlock`, :class:`vescale.parallel.fast.FastLayer`): known
 attention/MLP blocks, and whole decoder layers whose two blocks qualify, run on local tensors between their plan's
 boundaries.
 
@@ -26,13 +26,13 @@ def _llama(dropout: float = 0.0, attn: str = "sdpa"):
 
 
 def _blocks(model):
-    from vescale.parallel.local import FastBlock
+    from vescale.parallel.fast import FastBlock
 
     return {fqn: m.forward for fqn, m in model.named_modules() if isinstance(m.forward, FastBlock)}
 
 
 def _layers(model):
-    from vescale.parallel.local import FastLayer
+    from vescale.parallel.fast import FastLayer
 
     return {fqn: m.forward for fqn, m in model.named_modules() if isinstance(m.forward, FastLayer)}
 
@@ -55,7 +55,7 @@ def test_fast_blocks_match_single_device_and_dtensor_path():
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import llama_plan, parallelize_module
-    from vescale.parallel.local import fast_path
+    from vescale.parallel.fast import fast_path
 
     mesh = init_mesh({"tp": 2})
     torch.manual_seed(0)

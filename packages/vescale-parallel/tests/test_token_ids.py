@@ -7,7 +7,7 @@ on one process (which must raise ``IndexError``):
 - vescale's test GPT on tp=2 (the DTensor path: torch's vocab-parallel rule), with and without sequence parallelism,
   with the ids themselves sequence-sharded over tp (the bad id in one rank's half), and whole-model
   ``torch.compile(fullgraph=True)`` (``aot_eager``: the traced Megatron-style lookup);
-- a tiny Hugging Face Llama on tp=2, on the fast path (:class:`~vescale.parallel.local.FastModel`, Megatron's lookup
+- a tiny Hugging Face Llama on tp=2, on the fast path (:class:`~vescale.parallel.fast.FastModel`, Megatron's lookup
   on local tensors) and with the fast path off (DTensor path);
 - the Llama on dp2 x tp2, the bad id only in one dp rank's rows: the ranks of the other dp group raise too (the ids
   are batch-sharded over dp; one all-reduce of two numbers makes the ranks agree instead of leaving some waiting);
@@ -144,7 +144,7 @@ def test_llama_tp2_out_of_vocabulary_ids_raise_on_every_rank_fast_and_dtensor_pa
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import llama_plan, parallelize_module
-    from vescale.parallel.local import FastModel, fast_path
+    from vescale.parallel.fast import FastModel, fast_path
 
     mesh = init_mesh({"tp": 2})
     tokens = _tokens()
@@ -170,7 +170,7 @@ def test_llama_dp2_tp2_bad_id_in_one_dp_slice_raises_on_every_rank():
 
     from vescale.core.mesh import init_mesh
     from vescale.parallel import llama_plan, parallelize_module
-    from vescale.parallel.local import fast_path
+    from vescale.parallel.fast import fast_path
 
     mesh = init_mesh({"dp": 2, "tp": 2})
     d = mesh.get_local_rank("dp")

@@ -15,6 +15,13 @@ object with ``state_dict()``/``load_state_dict()``. Keys:
   ``ShardedTensor`` may also stand anywhere in the state by itself
 - other objects: their ``state_dict()`` flattened under their key; nested dicts join keys with dots.
 
+A module's plain parameter marked as a box of a global tensor (:func:`vescale.core.sharded_state.mark_piece` with
+``global_shape`` and ``offsets``, e.g. an ep rank's ``[E / ep, ...]`` experts) is saved and loaded as that box of the
+global tensor under the parameter's key, and so is each per-parameter state tensor of a ``torch.optim`` optimizer
+of the parameter's shape (scalars such as ``step`` stay whole); other state of such a parameter, a DTensor with
+such a mark, or a plain parameter marked as a piece over mesh dims without a box is refused
+(:class:`UnsupportedStateError`).
+
 Modules are named by their own ``state_dict`` keys (a wrapper whose ``state_dict`` is its inner module's, such as
 vescale's DDP, needs no unwrapping); torch's DDP and ``torch.compile`` wrappers are unwrapped. Nothing here knows
 vescale's other packages: their objects are seen only through the protocol of :mod:`vescale.core.sharded_state`.
@@ -38,7 +45,14 @@ from torch import nn
 from vescale.checkpoint._layout import Piece, is_dtensor
 from vescale.checkpoint.errors import UnsupportedStateError
 from vescale.core import torch_internals
-from vescale.core.sharded_state import ShardedStateError, ShardedTensor, init_optimizer_state, is_sharded_stateful
+from vescale.core.sharded_state import (
+    GlobalPiece,
+    ShardedStateError,
+    ShardedTensor,
+    init_optimizer_state,
+    is_sharded_stateful,
+    piece_of,
+)
 
 
 @dataclass
@@ -108,21 +122,36 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _named_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``m.state_dict()`` and its parameters by the FQN it stores them under (first name of a tied parameter)."""
+    """``m.state_dict()`` and its parameters (the ``Parameter`` objects, which carry their marks) by every FQN it
+    stores them under, in its order (a tied parameter's first name first)."""
     try:
         kept = m.state_dict(keep_vars=True)
     except TypeError:  # a state_dict override without keep_vars: fall back to the parameters' module names
-        return m.state_dict(), dict(m.named_parameters())
-    params, seen = {}, set()
-    for name, t in kept.items():
-        if isinstance(t, nn.Parameter) and id(t) not in seen:
-            seen.add(id(t))
-            params[name] = t
+        return m.state_dict(), dict(m.named_parameters(remove_duplicate=False))
+    params = {name: t for name, t in kept.items() if isinstance(t, nn.Parameter)}
     sd = OrderedDict((k, t.detach() if isinstance(t, torch.Tensor) else t) for k, t in kept.items())
     metadata = getattr(kept, "_metadata", None)
     if metadata is not None:  # load_state_dict reads the modules' versions from it
         sd._metadata = metadata
     return sd, params
+
+
+def _placed_piece(p: torch.Tensor | None, key: str) -> GlobalPiece | None:
+    """The mark of a plain parameter ``p`` that is a box of a global tensor, or None (no mark, or one that only
+    leaves it out of norms); raises :class:`UnsupportedStateError` for a mark a checkpoint cannot place."""
+    mark = piece_of(p) if p is not None else None
+    if mark is None:
+        return None
+    if is_dtensor(p):
+        if mark.placed:
+            raise UnsupportedStateError(f"{key!r} is a DTensor marked (mark_piece) as a box at {mark.offsets} of a "
+                                        f"global tensor of shape {mark.global_shape}: its placements place it already")
+        return None
+    if not mark.placed and mark.groups:
+        raise UnsupportedStateError(f"{key!r} is marked (mark_piece) as a piece of a tensor split over "
+                                    f"{[d for d, _ in mark.groups]} but not where it sits in it: mark it with "
+                                    "global_shape= and offsets= to save it")
+    return mark if mark.placed else None
 
 
 def _has_tensors(obj: Any) -> bool:
@@ -212,7 +241,12 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
         sd, params = named.pop(id(m), None) or _named_state(m)
         trainable = {name for name, p in params.items() if p.requires_grad}
         for name, t in sd.items():
-            flat.add_tensor(_join(key, name), t)
+            mark = _placed_piece(params.get(name), _join(key, name))
+            if mark is None:
+                flat.add_tensor(_join(key, name), t)
+            else:  # this rank's box of the global tensor (t: a detached view of the parameter, filled in place)
+                flat.add_boxes(_join(key, name), list(mark.global_shape), t.dtype,
+                               [Piece(mark.offsets, tuple(t.shape), t)])
             if name in trainable:
                 flat.stepped.add(_join(key, name))
         owned = {_local(t).data_ptr() for t in list(m.parameters()) + list(m.buffers())}
@@ -229,9 +263,19 @@ def flatten(state: dict[str, Any], *, init_optimizer: Callable[[str], bool] | No
                 index += 1
                 flat.add_value(_join(key, f"param_groups.{name}"), _hparams(group),
                                lambda v, group=group: _set_hparams(group, v))
+                mark = _placed_piece(p, _join(key, f"state.{name}"))
                 for sname, sval in opt.state.get(p, {}).items():
                     skey = _join(key, f"state.{name}.{sname}")
-                    if isinstance(sval, torch.Tensor):
+                    if isinstance(sval, torch.Tensor) and mark is not None and sval.dim() > 0:
+                        if tuple(sval.shape) != tuple(p.shape):
+                            raise UnsupportedStateError(
+                                f"optimizer state {skey!r} has shape {tuple(sval.shape)}, neither its parameter's "
+                                f"{tuple(p.shape)} (a box of a global tensor of shape {mark.global_shape}) nor a "
+                                "scalar: it cannot be placed in the global tensor")
+                        flat.add_boxes(skey, list(mark.global_shape), sval.dtype,
+                                       [Piece(mark.offsets, tuple(sval.shape), sval)])
+                        flat.stepped.add(skey)
+                    elif isinstance(sval, torch.Tensor):
                         flat.add_tensor(skey, sval)
                         flat.stepped.add(skey)
                     else:

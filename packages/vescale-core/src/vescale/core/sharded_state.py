@@ -37,7 +37,7 @@ ZeRO and checkpoints read that one annotation.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -148,10 +148,11 @@ class GlobalPiece:
     """What a plain tensor is a piece of (see :func:`mark_piece`).
 
     ``global_shape`` / ``offsets``: the box of the global tensor this tensor holds (its shape is the box's lengths),
-    or None when only ``groups`` is known (a flat ZeRO shard of a flattened tensor). ``groups``: ``{mesh dim: this
-    rank's process group along it}`` for the dims the global tensor is split over: the pieces on those ranks are
-    disjoint, so a norm sums them there. ``counts_in_norm=False``: an identical copy another holder counts (a tied
-    weight's later pipeline holders), left out of norms but still clipped.
+    or None when only ``groups`` is known (a flat ZeRO shard of a flattened tensor). ``groups``: ``(mesh dim name,
+    this rank's process group along it)`` pairs, sorted by name, for the dims the global tensor is split over: the
+    pieces on the ranks of such a group are disjoint, so a norm sums them over it and a data-parallel reducer does
+    not reduce over it. ``counts_in_norm=False``: an identical copy another holder counts (a tied weight's later
+    pipeline holders), left out of norms but still clipped.
     """
 
     global_shape: tuple[int, ...] | None = None
@@ -161,26 +162,47 @@ class GlobalPiece:
 
     @property
     def group_map(self) -> dict[str, Any]:
+        """``groups`` as a dict ``{mesh dim name: process group}``."""
         return dict(self.groups)
+
+    @property
+    def placed(self) -> bool:
+        """Whether the piece knows its box of the global tensor (``global_shape`` and ``offsets``)."""
+        return self.global_shape is not None
 
 
 _PIECE = "_vescale_global_piece"
 
 
 def mark_piece(tensor: Any, *, global_shape: Sequence[int] | None = None, offsets: Sequence[int] | None = None,
-               groups: Any = None, counts_in_norm: bool | None = None) -> Any:
-    """Record on ``tensor`` (a ``torch.Tensor`` or ``nn.Parameter``) what global tensor it is a piece of; fields not
-    given keep what an earlier mark said (``groups`` are merged, by dim name). Returns ``tensor``. Raises
-    :class:`ShardedStateError` when ``offsets`` and ``global_shape`` do not fit the tensor's shape."""
-    old = getattr(tensor, _PIECE, None) or GlobalPiece()
+               groups: Mapping[str, Any] | None = None, counts_in_norm: bool | None = None) -> Any:
+    """Record on ``tensor`` (a ``torch.Tensor`` or ``nn.Parameter``) what global tensor it is a piece of; returns
+    ``tensor``.
+
+    ``global_shape`` and ``offsets`` (given together, or once each across marks): ``tensor`` is the box
+    ``offsets`` / ``tensor.shape`` of a global tensor of ``global_shape``. ``groups``: ``{mesh dim name: this rank's
+    process group along it}`` for the dims the global tensor is split over (every rank must use the same name for
+    the same dim). ``counts_in_norm``: False for a copy another holder counts in norms. Fields not given keep what
+    an earlier mark said; ``groups`` are merged with earlier ones, by dim name. Raises :class:`ShardedStateError`,
+    leaving the earlier mark as it was, when the box does not fit (one offset and one global size per dim of
+    ``tensor``, the box inside the global shape) or a group is not named by a string. No collective.
+    """
+    old = piece_of(tensor) or GlobalPiece()
     shape = tuple(int(n) for n in global_shape) if global_shape is not None else old.global_shape
     at = tuple(int(o) for o in offsets) if offsets is not None else old.offsets
-    if (shape is None) != (at is None) or (shape is not None and (
-            len(shape) != len(at) or len(shape) != tensor.dim()
-            or any(o < 0 or o + n > s for o, n, s in zip(at, tensor.shape, shape)))):
-        raise ShardedStateError(f"a piece of shape {tuple(tensor.shape)} at offsets {at} does not fit a global "
-                                f"tensor of shape {shape}")
-    merged = {**old.group_map, **dict(groups or {})}
+    local = tuple(int(n) for n in tensor.shape)
+    if (shape is None) != (at is None):
+        raise ShardedStateError(f"a piece of shape {local} needs both global_shape and offsets, got global_shape "
+                                f"{shape} and offsets {at}")
+    if shape is not None and (len(shape) != len(local) or len(at) != len(local)
+                              or any(o < 0 or o + n > s for o, n, s in zip(at, local, shape))):
+        raise ShardedStateError(f"a piece of shape {local} at offsets {at} does not fit a global tensor of shape "
+                                f"{shape}")
+    new = dict(groups or {})
+    bad = [name for name in new if not isinstance(name, str)]
+    if bad:
+        raise ShardedStateError(f"mark_piece groups are keyed by mesh dim name (a str), got {bad}")
+    merged = {**old.group_map, **new}
     piece = GlobalPiece(shape, at, tuple(sorted(merged.items(), key=lambda kv: kv[0])),
                         old.counts_in_norm if counts_in_norm is None else bool(counts_in_norm))
     setattr(tensor, _PIECE, piece)
@@ -188,7 +210,8 @@ def mark_piece(tensor: Any, *, global_shape: Sequence[int] | None = None, offset
 
 
 def piece_of(tensor: Any) -> GlobalPiece | None:
-    """What :func:`mark_piece` recorded on ``tensor``, or None."""
+    """What :func:`mark_piece` recorded on ``tensor`` (the object itself: a view or a ``detach()`` of it carries no
+    mark), or None."""
     return getattr(tensor, _PIECE, None)
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "split_tensor",
     "dtensor_custom_op_handlers",
     "sharding_propagator",
+    "clear_sharding_caches",
     "op_schema",
     "storage_id",
     "tensor_version",
@@ -243,6 +244,17 @@ def dtensor_custom_op_handlers() -> dict:
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher._custom_op_handlers
+
+
+def clear_sharding_caches() -> None:
+    """Forget every sharding decision DTensor cached: its Python propagation cache and its C++ fast-path cache.
+
+    Why: a rule registered after DTensor ops already ran (vescale's ``install``) is otherwise bypassed for the op and
+    layout combinations those ops cached on the fast path; torch offers only the private debug helper to clear both.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def sharding_propagator() -> Any:

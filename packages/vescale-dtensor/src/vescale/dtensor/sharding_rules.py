@@ -457,7 +457,7 @@ def install() -> None:
     propagator.op_single_dim_strategy_funcs.pop(aten.linalg_solve_triangular.default, None)
     register_op_strategy(aten.linalg_solve_triangular.default,
                          schema_info=RuntimeSchemaInfo(2, static_kwargkey=["left"]))(_solve_triangular_strategy)
-    propagator.propagate_op_sharding.cache_clear()
+    torch_internals.clear_sharding_caches()  # (the C++ fast-path cache too: ops may have run before install)
     if hasattr(aten, "_grouped_mm"):
         # torch's own extension point for per-op DTensor behaviour (vescale.dtensor.random and loss_parallel use it)
         torch_internals.dtensor_custom_op_handlers()[aten._grouped_mm.default] = _grouped_mm_on_replicated

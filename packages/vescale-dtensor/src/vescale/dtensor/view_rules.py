@@ -583,4 +583,4 @@ def install() -> None:
             new = _ragged_guard(op, torch_strategy)
         new._vescale_wrapped = True
         register_op_strategy(op, schema_info=propagator.op_to_schema_info.get(op))(new)
-    propagator.propagate_op_sharding.cache_clear()
+    torch_internals.clear_sharding_caches()  # (the C++ fast-path cache too: ops may have run before install)

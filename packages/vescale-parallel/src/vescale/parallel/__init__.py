@@ -9,12 +9,13 @@ pipeline stages, compile mode (per block, whole model, pipeline stages), and act
 
 from __future__ import annotations
 
+from vescale.parallel import clip_grad as _clip_grad
 from vescale.parallel.activation_checkpoint import (  # activation checkpointing
     ActivationCheckpointError,
     checkpoint_activations,
     checkpointed_blocks,
 )
-from vescale.parallel.clip_grad import clip_grad_norm_, grad_norm, mark_sharded  # part 2: DP/ZeRO
+from vescale.parallel.clip_grad import clip_grad_norm_, grad_norm  # part 2: DP/ZeRO
 from vescale.parallel.compile import (  # compile mode
     block_graph_breaks,
     compile_forward,
@@ -53,7 +54,7 @@ from vescale.parallel.zero3 import fully_shard_dp, fully_shard_stage  # part 2: 
 
 __all__: list[str] = []
 __all__ += ["DistributedDataParallel", "DDPError", "DistributedOptimizer", "ZeroError", "clip_grad_norm_", "grad_norm",
-            "mark_sharded", "fully_shard_dp", "fully_shard_stage", "Zero3Error"]  # part 2: DP/ZeRO
+            "fully_shard_dp", "fully_shard_stage", "Zero3Error"]  # part 2: DP/ZeRO
 __all__ += ["parallelize_module", "plan_report", "Plan", "check_plan", "PlanReport", "PlanEntry",
             "vocab_parallel_cross_entropy", "loss_parallel", "LossParallelError", "PLANS", "gpt_plan", "llama_plan",
             "qwen2_plan", "mixtral_plan", "gpt2_plan", "TokenIdError"]  # part 1: TP/SP
@@ -65,3 +66,10 @@ __all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpoi
 __all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "experts_as_operator",
             "keep_local_experts", "ExpertParallelError"]  # expert parallelism
 __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism
+
+
+def __getattr__(name: str):
+    """The deprecated names of :mod:`vescale.parallel.clip_grad`, kept importable from here for one release."""
+    if name in _clip_grad.DEPRECATED:
+        return getattr(_clip_grad, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,13 +6,15 @@ The norm is the one a single device computes over the whole model: every gradien
   plain DDP): it counts once, with no communication.
 - A DTensor gradient is summed (``|g|^p``) over the mesh dims where it is ``Shard``; ``Replicate`` dims count once;
   ``Partial`` dims are reduced first.
-- A ZeRO shard (the flat fp32 pieces :class:`~vescale.parallel.DistributedOptimizer` owns) is summed over the dp
-  group, and over the TP dims where its parameter is sharded; :func:`mark_sharded` records that on the tensor.
+- A plain tensor marked as a piece of a larger tensor (:func:`vescale.core.sharded_state.mark_piece` with
+  ``groups``: a ZeRO shard, which :class:`~vescale.parallel.DistributedOptimizer` marks over dp and its parameter's
+  TP dims; an ep rank's plain experts, which :func:`~vescale.parallel.keep_local_experts` marks over ep) is summed
+  over those groups.
 - ``pp_group``: each pipeline stage holds different parameters; their partial sums are added over that group.
 - A parameter held by several pipeline stages (a tied embedding on the first and last stage) has, after the engine
-  summed it over pp, the same gradient on each; it counts once: every holder but one marks its copy with
-  :func:`mark_tied_copy` (``PipeEngine.tied_copies()`` names them), which :func:`grad_norm` leaves out and
-  :func:`clip_grad_norm_` still scales. A ZeRO piece of a marked parameter is marked too.
+  summed it over pp, the same gradient on each; it counts once: every holder but one is marked
+  ``mark_piece(p, counts_in_norm=False)`` (``PipeEngine`` marks its ``tied_copies()``), which :func:`grad_norm`
+  leaves out and :func:`clip_grad_norm_` still scales. A ZeRO piece of such a parameter is marked so too.
 
 Collectives: one all-reduce per mesh dim involved (in name order, so every rank agrees), plus one over
 ``pp_group``. Every rank of a group must pass the same kinds of parameters (as in torch DDP).
@@ -21,45 +23,51 @@ Collectives: one all-reduce per mesh dim involved (in name order, so every rank 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from vescale.core.sharded_state import mark_piece, piece_of
 from vescale.core.torch_internals import local_tensor
 
 __all__ = ["clip_grad_norm_", "grad_norm", "is_tied_copy", "mark_sharded", "mark_tied_copy"]
 
-_SUM_GROUPS = "_vescale_norm_sum_groups"
-_TIED_COPY = "_vescale_norm_tied_copy"
+#: names kept for one release, each a wrapper over vescale.core.sharded_state that warns (DeprecationWarning)
+DEPRECATED = ("is_tied_copy", "mark_sharded", "mark_tied_copy")
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"vescale.parallel.clip_grad.{old} is deprecated and will be removed in the next release; use "
+                  f"vescale.core.sharded_state.{new}", DeprecationWarning, stacklevel=3)
 
 
 def mark_tied_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """Record that ``tensor``'s gradient is a copy of one another pipeline stage holds and counts in the norm.
-
-    :func:`grad_norm` leaves ``tensor`` out; :func:`clip_grad_norm_` still scales its gradient, so every copy of a
-    tied weight stays equal. Mark every holder of a tied parameter but one (``PipeEngine.tied_copies()``). Returns
-    ``tensor``.
-    """
-    setattr(tensor, _TIED_COPY, True)
-    return tensor
+    """Deprecated: ``vescale.core.sharded_state.mark_piece(tensor, counts_in_norm=False)``, which this calls (with a
+    ``DeprecationWarning``). Returns ``tensor``."""
+    _deprecated("mark_tied_copy(t)", "mark_piece(t, counts_in_norm=False)")
+    return mark_piece(tensor, counts_in_norm=False)
 
 
 def is_tied_copy(tensor: torch.Tensor) -> bool:
-    """Whether :func:`mark_tied_copy` marked ``tensor``."""
-    return bool(getattr(tensor, _TIED_COPY, False))
+    """Deprecated: whether ``vescale.core.sharded_state.piece_of(tensor)`` says ``counts_in_norm=False`` (with a
+    ``DeprecationWarning``)."""
+    _deprecated("is_tied_copy(t)", "piece_of(t).counts_in_norm")
+    return not _counts_in_norm(tensor)
 
 
 def mark_sharded(tensor: torch.Tensor, groups: Mapping[str, dist.ProcessGroup]) -> torch.Tensor:
-    """Record that ``tensor`` (and its ``.grad``) is a disjoint piece of a larger tensor split over ``groups``.
+    """Deprecated: ``vescale.core.sharded_state.mark_piece(tensor, groups=groups)``, which this calls (with a
+    ``DeprecationWarning``). Returns ``tensor``."""
+    _deprecated("mark_sharded(t, groups)", "mark_piece(t, groups=groups)")
+    return mark_piece(tensor, groups=groups)
 
-    ``groups`` maps a mesh-dimension name (``"dp"``, ``"tp"``, ...) to this rank's process group along it; every
-    rank must use the same name for the same dimension. :func:`grad_norm` then sums the piece's ``|g|^p`` over those
-    groups. Returns ``tensor``.
-    """
-    setattr(tensor, _SUM_GROUPS, tuple(sorted(groups.items())))
-    return tensor
+
+def _counts_in_norm(t: torch.Tensor) -> bool:
+    piece = piece_of(t)
+    return piece is None or piece.counts_in_norm
 
 
 def _dtensor_groups(t: DTensor) -> tuple[tuple[str, dist.ProcessGroup], ...]:
@@ -80,7 +88,8 @@ def _grad_piece(p: torch.Tensor) -> tuple[torch.Tensor | None, tuple]:
         if any(isinstance(pl, Partial) for pl in g.placements):
             g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
         return local_tensor(g), _dtensor_groups(g)
-    return g, tuple(getattr(p, _SUM_GROUPS, ()))
+    piece = piece_of(p)
+    return g, piece.groups if piece is not None else ()
 
 
 def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, *,
@@ -88,8 +97,8 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
     """The ``norm_type``-norm of all gradients of ``parameters`` as one device would compute it (a 0-d fp32 tensor).
 
     Partial results are keyed by the names of the mesh dims they must be summed over, so that the ranks of a group
-    agree on what each entry of the all-reduced vector means whatever their coordinates. Tensors marked by
-    :func:`mark_tied_copy` are left out (another pipeline stage counts their gradient).
+    agree on what each entry of the all-reduced vector means whatever their coordinates. Tensors marked
+    ``mark_piece(t, counts_in_norm=False)`` are left out (another pipeline stage counts their gradient).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -100,7 +109,7 @@ def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: floa
     device = param_device = None
     for p in parameters:
         param_device = param_device or p.device
-        if is_tied_copy(p):
+        if not _counts_in_norm(p):
             continue
         g, groups = _grad_piece(p)
         if g is None:

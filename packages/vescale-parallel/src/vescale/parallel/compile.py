@@ -41,7 +41,8 @@ from vescale.core.blocks import find_blocks
 from vescale.dtensor.layout import contiguous_stride, smallest_shard
 from vescale.parallel.errors import CompileError, TokenIdError
 from vescale.parallel.factory import compiled_region
-from vescale.parallel.local import _local_forward
+from vescale.parallel.local import is_local
+from vescale.parallel.vocab_embedding import lookup_rows
 
 __all__ = ["compile_parallel", "compile_forward", "compiled_blocks", "block_graph_breaks",
            "install_compilable_embeddings"]
@@ -68,7 +69,7 @@ def compile_parallel(module: nn.Module, *, blocks: str | None = None, backend: s
         _check_no_dropout(fqn, block)
     compiled = []
     for fqn, block in found:
-        if getattr(block.forward, "func", None) is _local_forward:
+        if is_local(block):
             continue  # a .local module (data dependent): stays eager
         block.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, mode=mode, options=options)
         torch_internals.set_compiled_call(block, functools.partial(_run_compiled, torch_internals.compiled_call(block)))
@@ -184,12 +185,7 @@ def _embedding_forward(ids: Any, *, module: nn.Embedding, vdim: int, offset: int
     if want != places:
         ids = ids.redistribute(mesh, want)
     w, idx = weight.to_local(), _checked_ids(ids.to_local(), mesh, want, weight.shape[0], repr(fqn))
-    rows = w.shape[0]
-    outside = (idx < offset) | (idx >= offset + rows)
-    local = (idx - offset).masked_fill(outside, 0)  # no factory call: factory capture must not see one
-    pad = module.padding_idx
-    pad = pad - offset if pad is not None and offset <= pad < offset + rows else None
-    out = torch.nn.functional.embedding(local, w, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+    out = lookup_rows(idx, w, offset, module.padding_idx)  # this rank's rows: a partial sum over the vocab dim
     shape = (*ids.shape, weight.shape[1])
     return DTensor.from_local(out, mesh, [Partial() if i == vdim else p for i, p in enumerate(want)],
                               run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape))

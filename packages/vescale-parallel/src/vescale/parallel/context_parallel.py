@@ -76,6 +76,7 @@ from torch import nn
 
 from vescale.core.mesh import dim_group
 from vescale.parallel.chunked_attention import ChunkLayout, attention_output, chunked_backward, chunked_forward
+from vescale.parallel.collectives import all_gather_along, op_state, reduce_scatter_along, register_op_state
 from vescale.parallel.errors import ContextParallelError
 from vescale.parallel.factory import capture_suspended
 
@@ -96,9 +97,10 @@ class _Setup:
     rank: int
 
 
-# A transformers model's modules carry the key of their _Setup (an int in _SETUP_KEYS) as this attribute: the attention
-# function is called with the attention module, and an attribute survives the deep copy the pipeline split traces
-# (vescale.plan.build_pipeline), where a process group could not be copied and an id() of the config would change.
+# A transformers model's modules carry the key of their _Setup (in vescale.parallel.collectives' registry) as this
+# attribute: the attention function is called with the attention module, and an attribute survives the deep copy the
+# pipeline split traces (vescale.plan.build_pipeline), where a process group could not be copied and an id() of the
+# config would change.
 _KEY_ATTR = "_vescale_cp_setup_key"
 
 
@@ -107,7 +109,7 @@ def _setup_of(module: nn.Module) -> _Setup:
     if key is None:
         raise ContextParallelError(f"{type(module).__name__} runs the {ATTENTION_NAME!r} attention but its model was "
                                    f"not set up by context_parallel")
-    return _SETUP_KEYS[key]
+    return op_state(key)
 
 
 def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -129,40 +131,15 @@ def _cp_group(mesh) -> dist.ProcessGroup:
     return found[0]
 
 
-def _gather(x: torch.Tensor, setup: _Setup) -> torch.Tensor:
-    """All-gather of ``[B, H, S_local, D]`` along the sequence over cp, rank after rank."""
-    local = x.movedim(2, 0).contiguous()
-    out = local.new_empty((setup.size * local.shape[0], *local.shape[1:]))
-    dist.all_gather_single(out, local, group=setup.group)
-    return out.movedim(0, 2)
-
-
-def _reduce_scatter(grad: torch.Tensor, setup: _Setup) -> torch.Tensor:
-    """The transpose of :func:`_gather`: every rank's gradient of the gathered tensor summed, this rank's part."""
-    whole = grad.movedim(2, 0).contiguous()
-    if dist.get_backend(setup.group) == "gloo":  # gloo has no reduce-scatter: sum everywhere, keep this rank's part
-        dist.all_reduce(whole, group=setup.group)
-        part = whole.chunk(setup.size)[setup.rank]
-    else:
-        part = whole.new_empty((whole.shape[0] // setup.size, *whole.shape[1:]))
-        dist.reduce_scatter_single(part, whole, group=setup.group)
-    return part.movedim(0, 2)
-
-
 # The attention of one layer is one custom operator (``vescale::cp_attention``): torch.export (the pipeline split of
 # vescale.pipe) keeps it as a single node, so a pipeline stage cut from a captured graph still gathers over cp when it
 # runs, and its backward (blockwise, then one reduce-scatter) is registered with it. The cp group travels as an int
-# key into _SETUP_KEYS (an operator takes no process group).
-_SETUP_KEYS: dict[int, _Setup] = {}
+# key into vescale.parallel.collectives' registry (an operator takes no process group).
 
 
 def _setup_key(setup: _Setup) -> int:
-    key = next((k for k, s in _SETUP_KEYS.items()
-                if s.group is setup.group and (s.size, s.rank) == (setup.size, setup.rank)), None)
-    if key is None:
-        key = len(_SETUP_KEYS)
-        _SETUP_KEYS[key] = setup
-    return key
+    """The registry key of ``setup`` (that of an equal one registered before: the same group, size and rank)."""
+    return register_op_state(setup)
 
 
 @torch.library.custom_op("vescale::cp_attention", mutates_args=())
@@ -170,8 +147,8 @@ def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch
                   scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, gathered keys, gathered values, lse)``: this rank's queries against the whole sequence (the last three
     are kept for backward); ``docs``: the whole sequence's document ids (packed rows), or None."""
-    setup = _SETUP_KEYS[setup_key]
-    keys, values = _gather(k, setup), _gather(v, setup)
+    setup = op_state(setup_key)
+    keys, values = all_gather_along(k, 2, setup.group, setup.size), all_gather_along(v, 2, setup.group, setup.size)
     layout = ChunkLayout(setup.size, setup.rank, q.shape[2] // 2)
     out, lse = chunked_forward(q, keys, values, layout, scale, window, docs)
     return out, keys, values, lse
@@ -180,7 +157,7 @@ def _cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch
 @_cp_attention.register_fake
 def _(q, k, v, docs, setup_key, scale, window):
     b, h, t, d = q.shape
-    size = _SETUP_KEYS[setup_key].size
+    size = op_state(setup_key).size
     gathered = (b, k.shape[1], size * k.shape[2], d)
     return (attention_output(q), k.new_empty(gathered), v.new_empty(gathered),
             q.new_empty((b, k.shape[1], h // k.shape[1], t, 1), dtype=torch.promote_types(q.dtype, torch.float32)))
@@ -200,16 +177,17 @@ def _cp_attention_grads(grad_out: torch.Tensor, q: torch.Tensor, keys: torch.Ten
     """``(dq, dk, dv)`` of ``vescale::cp_attention``: blockwise, then the key and value gradients reduce-scattered
     over cp to this rank's positions. An operator of its own so that DTensor runs it on the local head shards (see
     :func:`_register_head_sharding`), as it runs the forward."""
-    setup = _SETUP_KEYS[setup_key]
+    setup = op_state(setup_key)
     layout = ChunkLayout(setup.size, setup.rank, q.shape[2] // 2)
     dq, dkeys, dvalues = chunked_backward(grad_out, q, keys, values, out, lse, layout, scale, window, docs)
-    return dq, _reduce_scatter(dkeys, setup), _reduce_scatter(dvalues, setup)
+    return (dq, reduce_scatter_along(dkeys, 2, setup.group, setup.size, setup.rank),
+            reduce_scatter_along(dvalues, 2, setup.group, setup.size, setup.rank))
 
 
 @_cp_attention_grads.register_fake
 def _(grad_out, q, keys, values, out, lse, docs, setup_key, scale, window):
     b, hkv, s, d = keys.shape
-    local = (b, hkv, s // _SETUP_KEYS[setup_key].size, d)
+    local = (b, hkv, s // op_state(setup_key).size, d)
     return q.new_empty(q.shape), keys.new_empty(local), values.new_empty(local)
 
 
@@ -299,7 +277,7 @@ def _hook_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, module
     """The ``causal_attention`` method of a hook model's attention module under cp: ``[B, H, T_local, D]``. (It
     holds the cp group by key, not itself: the pipeline split deep-copies the model, and a process group is not
     copyable.)"""
-    setup = _SETUP_KEYS[setup_key]
+    setup = op_state(setup_key)
     if module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()):
         raise ContextParallelError(f"{type(module).__name__} has dropout in training; under context parallelism it is "
                                    f"not supported (its random mask would not equal one device's): set it to 0")

@@ -27,10 +27,12 @@ expert, ``Shard(0)`` on ep) has its complete gradient already (the all-to-all br
 it) and is reduced over dp only. Each group of parameters reduced over the same dims gets its own buffers and
 buckets (see :class:`_Reduction`).
 
-``local_shards`` (expert parallelism with plain tensors, as in a captured pipeline stage whose experts are this
-rank's ``[E / ep, ...]`` slice): the same two groups for plain-tensor parameters. A plain parameter named there is
-this rank's piece of a tensor split over the given data dims (reduced over dp and the other data dims); every other
-plain parameter is replicated over the data dims (its gradient a summand, summed over them with dp's average).
+Plain-tensor parameters with ``data_dims`` (expert parallelism with plain tensors, as in a captured pipeline stage
+whose experts are this rank's ``[E / ep, ...]`` slice): the same two groups. A plain parameter marked as a piece over
+data dims (:func:`vescale.core.sharded_state.mark_piece` with ``groups``, as
+:func:`~vescale.parallel.keep_local_experts` marks the experts over ep) is reduced over dp and the other data dims;
+every other plain parameter is replicated over the data dims (its gradient a summand, summed over them with dp's
+average).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vescale.core.mesh import dim_group, sub_mesh
+from vescale.core.sharded_state import piece_of
 from vescale.core.torch_internals import flattened_mesh, local_tensor, queue_end_of_backward
 from vescale.parallel.errors import DDPError
 
@@ -72,8 +75,6 @@ class _Slot:
     numel: int
     local_shape: torch.Size
     exposed: torch.Tensor | None = None  # the low-precision .grad copy finish_grad_sync handed out, if any
-    # a plain parameter named in ``local_shards``: {data dim: this rank's group along it}, the dims it is a piece over
-    shard_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
 
     def view(self) -> torch.Tensor:
         """The gradient's place in the buffer (with ZeRO-2 this allocates the bucket's buffer, zeroed, if freed)."""
@@ -210,19 +211,18 @@ class DistributedDataParallel(nn.Module):
     others over dp only (see the module docstring). With ZeRO each group's buckets are sharded over its own ranks.
     As for DTensors summed there, each rank's loss must be its share of the global loss (e.g. its rows' mean / ep).
 
-    ``local_shards`` (with ``data_dims``; ``{fqn: dims}``, dims a subset of ``data_dims``): ``module`` may then hold
-    plain-tensor parameters. Those named are this rank's pieces of tensors split over ``dims`` (experts kept as
-    ``[E / ep, ...]`` slices, whose gradient the all-to-all already summed over ep): reduced over dp and the data dims
-    not named. Every other plain parameter is replicated over all data dims: reduced over dp x data dims like a
-    replicated DTensor. Without ``local_shards`` a plain parameter with ``data_dims`` is an error; a DTensor must
-    not be named (its placements say it). Clip norms and ZeRO pieces of a named parameter count it once per piece
-    over ``dims`` (``_Slot.shard_groups``).
+    With ``data_dims`` the parameters may instead all be plain tensors (a pipeline stage). Those marked as pieces
+    over data dims (``vescale.core.sharded_state.mark_piece(p, groups={"ep": group})``: experts kept as
+    ``[E / ep, ...]`` slices, whose gradient the all-to-all already summed over ep) are reduced over dp and the data
+    dims they are not split over; every other plain parameter is replicated over all data dims: reduced over dp x
+    data dims like a replicated DTensor. A module mixing plain parameters with DTensors over the data dims, a
+    DTensor marked as a piece over a data dim (its placements say that), a piece over the dp dim itself, or a
+    piece's group that is not the ranks of the mesh's dim of that name is an error.
     """
 
     def __init__(self, module: nn.Module, mesh, *, bucket_size_mb: float = 25, overlap: bool = True,
                  grad_dtype: torch.dtype | None = torch.float32, zero_stage: int = 0,
-                 late_params=(), wait_in_backward: bool = True, data_dims: Sequence[str] = (),
-                 local_shards: dict[str, Sequence[str]] | None = None) -> None:
+                 late_params=(), wait_in_backward: bool = True, data_dims: Sequence[str] = ()) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2):
             hint = " (ZeRO 3 is torch's fully_shard over the dp sub-mesh; see the README)" if zero_stage == 3 else ""
@@ -233,8 +233,8 @@ class DistributedDataParallel(nn.Module):
             raise DDPError("DistributedDataParallel needs an initialised process group")
         self.module = module
         if mesh is None:  # no data parallelism: the buffer (fp32 accumulation for masters) without any collective
-            if data_dims or local_shards:
-                raise DDPError("data_dims and local_shards need a DeviceMesh with a dp dim, not mesh=None")
+            if data_dims:
+                raise DDPError("data_dims need a DeviceMesh with a dp dim, not mesh=None")
             self.dp_group, self.dp_dim_name, self.dp_size, self.dp_rank = None, "dp", 1, 0
         else:
             self.dp_group, self.dp_dim_name = _dp_group(mesh)
@@ -252,8 +252,7 @@ class DistributedDataParallel(nn.Module):
         self.wait_in_backward = wait_in_backward
         self._validate(module)
         self.data_dims = tuple(data_dims)
-        self._shard_groups: dict[int, dict[str, dist.ProcessGroup]] = {}  # id(param) -> its local_shards groups
-        self._reductions = self._plan_reductions(module, mesh, local_shards)
+        self._reductions = self._plan_reductions(module, mesh)
         self._late = {id(p) for p in late_params}
         self.grad_buffers: list[_GradBuffer] = []
         self.buckets: list[_Bucket] = []
@@ -297,14 +296,17 @@ class DistributedDataParallel(nn.Module):
                 raise DDPError(f"parameter {fqn!r} is on {local.device} but others are on {device}")
             device = local.device
 
-    def _plan_reductions(self, module: nn.Module, mesh, local_shards) -> dict[int, _Reduction]:
-        """``{id(param): its _Reduction}``; checks ``data_dims`` and ``local_shards`` against ``mesh`` and every
-        parameter (local, no collective: a bad layout raises DDPError on every rank)."""
+    def _plan_reductions(self, module: nn.Module, mesh) -> dict[int, _Reduction]:
+        """``{id(param): its _Reduction}``; checks ``data_dims`` and the parameters' piece marks against ``mesh`` and
+        every parameter (local, no collective: a bad layout raises DDPError on every rank)."""
         dp = _Reduction(self.dp_dim_name, self.dp_group, self.dp_size, self.dp_rank)
         params = [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad]
-        if local_shards is not None and not self.data_dims:
-            raise DDPError(f"local_shards (given for {sorted(local_shards)[:3]}...) needs data_dims: the mesh dims "
-                           "the parameters are split over besides dp")
+        for fqn, p in params:
+            piece = piece_of(p)
+            if piece is not None and self.dp_dim_name in piece.group_map:
+                raise DDPError(f"parameter {fqn!r} is marked as a piece over {self.dp_dim_name!r} (mark_piece "
+                               f"groups {sorted(piece.group_map)}), the dim DDP averages over: its replicas over "
+                               f"{self.dp_dim_name!r} must be whole")
         if not self.data_dims:
             return {id(p): dp for _, p in params}
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -312,35 +314,39 @@ class DistributedDataParallel(nn.Module):
         if missing or self.dp_dim_name in self.data_dims:
             raise DDPError(f"data_dims {list(self.data_dims)} need a DeviceMesh with dims {self.dp_dim_name!r} and "
                            f"{list(self.data_dims)} (distinct), got {list(names) or type(mesh).__name__}")
-        data_groups = {d: sub_mesh(mesh, d).get_group() for d in self.data_dims}
-        groups = {d: dist.get_process_group_ranks(g) for d, g in data_groups.items()}
-        local = {fqn: tuple(dims) for fqn, dims in (local_shards or {}).items()}
-        by_fqn = dict(params)
-        for fqn, dims in sorted(local.items()):
-            if fqn not in by_fqn:
-                raise DDPError(f"local_shards names {fqn!r}, which is not a gradient-requiring parameter of the "
-                               f"module (it has {len(by_fqn)}, e.g. {sorted(by_fqn)[:3]})")
-            if isinstance(by_fqn[fqn], DTensor):
-                raise DDPError(f"local_shards names {fqn!r}, a DTensor (placements {by_fqn[fqn].placements}): its "
-                               "placements say where it is split; name plain tensors only")
-            if not dims or not set(dims) <= set(self.data_dims):
-                raise DDPError(f"local_shards[{fqn!r}] = {list(dims)}: expected one or more of the data_dims "
-                               f"{list(self.data_dims)}")
+        groups = {d: dist.get_process_group_ranks(sub_mesh(mesh, d).get_group()) for d in self.data_dims}
+        # the plain pieces over data dims: {fqn: (parameter, the data dims it is split over)}
+        split = {fqn: (p, [d for d in self.data_dims if d in piece.group_map]) for fqn, p in params
+                 if (piece := piece_of(p)) is not None and any(d in piece.group_map for d in self.data_dims)}
+        for fqn, (p, dims) in sorted(split.items()):
+            if isinstance(p, DTensor):
+                raise DDPError(f"parameter {fqn!r} is a DTensor (placements {p.placements}) marked as a piece over "
+                               f"data dims {dims} (mark_piece groups): its placements say where it is split")
+            for d in dims:
+                ranks = dist.get_process_group_ranks(piece_of(p).group_map[d])
+                if ranks != groups[d]:
+                    raise DDPError(f"parameter {fqn!r} is marked as a piece over {d!r} with ranks {ranks}, but the "
+                                   f"DDP mesh's dim {d!r} holds ranks {groups[d]}; mark it with that mesh's group")
+        plain = [fqn for fqn, p in params if not isinstance(p, DTensor)]
+        if plain and len(plain) < len(params):
+            dtensor, dt = next((fqn, p) for fqn, p in params if isinstance(p, DTensor))
+            names = list(dt.device_mesh.mesh_dim_names or ())
+            raise DDPError(f"parameter {plain[0]!r} is not a DTensor over data dim {self.data_dims[0]!r} but a plain "
+                           f"tensor, while {dtensor!r} is a DTensor over {names}: with data_dims the parameters are "
+                           "all DTensors over them (parallelize the model over them before wrapping it) or all plain "
+                           "tensors, this rank's pieces marked with vescale.core.sharded_state.mark_piece")
         keys: dict[int, tuple[str, ...]] = {}
         for fqn, p in params:  # every check first, then the groups (creating one is collective)
-            if not isinstance(p, DTensor) and local_shards is not None:
-                # a plain parameter: a piece over the dims local_shards names, replicated over the other data dims
-                keys[id(p)] = tuple(d for d in self.data_dims if d not in local.get(fqn, ()))
-                if fqn in local:
-                    self._shard_groups[id(p)] = {d: data_groups[d] for d in local[fqn]}
+            if not isinstance(p, DTensor):
+                # a plain parameter: a piece over the data dims its mark names, replicated over the other data dims
+                keys[id(p)] = tuple(d for d in self.data_dims if d not in split.get(fqn, (None, ()))[1])
                 continue
             pnames = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
             summed = []
             for d in self.data_dims:
                 if d not in pnames:
                     raise DDPError(f"parameter {fqn!r} is not a DTensor over data dim {d!r} (its mesh dims: "
-                                   f"{list(pnames)}); parallelize the model over {d!r} before wrapping it (or, "
-                                   "for plain tensors, describe them with local_shards)")
+                                   f"{list(pnames)}); parallelize the model over {d!r} before wrapping it")
                 i = pnames.index(d)
                 if dist.get_process_group_ranks(p.device_mesh.get_group(i)) != groups[d]:
                     raise DDPError(f"parameter {fqn!r}: its mesh dim {d!r} holds ranks "
@@ -396,7 +402,6 @@ class DistributedDataParallel(nn.Module):
                     local = local_tensor(p)
                     slot = _Slot(fqn, p, buf, bucket, off, local.numel(), local.shape)
                     bucket.slots.append(slot)
-                    slot.shard_groups = self._shard_groups.get(id(p), {})
                     self.slots[p] = slot
                 buf.buckets.append(bucket)
                 self.buckets.append(bucket)

@@ -56,6 +56,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from vescale.core.torch_internals import set_own_parameters
+from vescale.parallel.collectives import OP_STATES, op_state
+from vescale.parallel.collectives import AllToAll as _AllToAll  # the dispatch's all-to-alls
+from vescale.parallel.collectives import all_to_all as _all_to_all
 from vescale.parallel.errors import ExpertParallelError
 
 __all__ = ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "ExpertsInfo",
@@ -219,26 +222,6 @@ def expert_parallel_plan(model: nn.Module, mesh, plan: Mapping | None = None, *,
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with variable splits along dim 0; backward sends the gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
 @contextlib.contextmanager
 def _num_experts(module: nn.Module, num: int):
     """The experts module's ``num_experts`` attribute (its forward sizes one-hot masks by it) set to ``num``."""
@@ -358,14 +341,15 @@ def _shallow_template(module: nn.Module, names: list[str]) -> nn.Module:
     return template
 
 
-#: int key (an operator argument) -> _OpSetup, one per experts module given to :func:`experts_as_operator`.
-_OP_SETUPS: dict[int, _OpSetup] = {}
+#: int key (an operator argument) -> _OpSetup, one per experts module given to :func:`experts_as_operator`: the
+#: registry every vescale custom operator finds its state in (``key = len(_OP_SETUPS); _OP_SETUPS[key] = setup``).
+_OP_SETUPS = OP_STATES
 
 
 def _run_op(key: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             params: list[torch.Tensor]) -> torch.Tensor:
     """:func:`_ep_forward` with the experts module's own forward on ``params`` (this rank's experts)."""
-    setup = _OP_SETUPS[key]
+    setup = op_state(key)
     template = setup.template
     set_own_parameters(template, dict(zip(setup.names, params)))
     try:
@@ -445,9 +429,9 @@ def experts_as_operator(model: nn.Module, mesh, *, ep: str = "ep",
     FFN) and backpropagates through it (two all-to-alls): the forward's intermediate tensors have data-dependent sizes
     an operator cannot return through the capture. An expert's gradient is then the sum over every ep rank's loss of
     the tokens it took; dense parameters' gradients are each rank's own. With each rank backpropagating its share
-    of the loss (its rows' mean / ep), ``DistributedDataParallel(module, mesh, data_dims=(ep,),
-    local_shards={fqn: (ep,) for fqn in keep_local_experts(...)})`` makes both one device's: the dense gradients
-    summed over ep (and averaged over dp), the experts' averaged over dp only.
+    of the loss (its rows' mean / ep), ``DistributedDataParallel(module, mesh, data_dims=(ep,))`` over the module
+    after :func:`keep_local_experts` (which marks the experts as pieces over ep) makes both one device's: the dense
+    gradients summed over ep (and averaged over dp), the experts' averaged over dp only.
 
     Raises :class:`ExpertParallelError` (before any collective) as :func:`parallelize_experts` does.
     """
@@ -473,10 +457,11 @@ def keep_local_experts(module: nn.Module, experts: list[ExpertsInfo], mesh, *, e
     """Replace each expert parameter of ``module`` (a pipeline stage, or the model; found by the FQNs of
     ``experts``) by this ep rank's experts, a plain ``Parameter`` ``[E / ep, ...]`` (rank ``r``: experts
     ``[r E / ep, (r + 1) E / ep)``); returns the FQNs replaced. ``module``'s parameters must be materialised, whole.
-    Each is marked (``vescale.parallel.clip_grad.mark_sharded``) as a piece over ``ep`` for gradient clipping.
-    No collective."""
+    Each is marked ``vescale.core.sharded_state.mark_piece(p, global_shape=[E, ...], offsets=(r E / ep, 0, ...),
+    groups={ep: this rank's ep group})``: gradient clipping sums it over ep, DDP reduces it over dp only, ZeRO and
+    checkpoints place it (and its optimizer state) at its rows of the global tensor. No collective."""
     from vescale.core.mesh import dim_group
-    from vescale.parallel.clip_grad import mark_sharded
+    from vescale.core.sharded_state import mark_piece
 
     size, rank = mesh.size(mesh.mesh_dim_names.index(ep)), mesh.get_local_rank(ep)
     group, _ = dim_group(mesh, ep)
@@ -493,7 +478,8 @@ def keep_local_experts(module: nn.Module, experts: list[ExpertsInfo], mesh, *, e
             per = info.num_experts // size
             local = nn.Parameter(whole.detach()[rank * per:(rank + 1) * per].clone(),
                                  requires_grad=whole.requires_grad)
-            mark_sharded(local, {ep: group})  # a global gradient norm sums the experts' pieces over ep
+            mark_piece(local, global_shape=tuple(whole.shape), offsets=(rank * per,) + (0,) * (whole.dim() - 1),
+                       groups={ep: group})
             owner_fqn, _, leaf = fqn.rpartition(".")
             module.get_submodule(owner_fqn).register_parameter(leaf, local)
             done.append(fqn)

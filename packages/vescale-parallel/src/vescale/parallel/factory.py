@@ -135,7 +135,7 @@ def capture_suspended() -> Iterator[None]:
 def capture_paused() -> Iterator[FactoryCapture | None]:
     """Like :func:`capture_suspended`, and the innermost :class:`FactoryCapture` mode, when it is the innermost torch
     function mode, leaves the mode stack meanwhile, so plain-tensor code (a fast block, see
-    :class:`vescale.parallel.local.FastBlock`) pays no Python call per torch function."""
+    :class:`vescale.parallel.fast.FastBlock`) pays no Python call per torch function."""
     from vescale.core import torch_internals
 
     stack = torch_internals.function_mode_stack()

@@ -21,7 +21,7 @@ read key/value head ``g = i // r`` with ``r = n / kv`` ranks sharing each kv hea
 
 Without a cache (``use_cache=False``) attention runs on DTensors as usual: the replicated keys are cut to each rank's
 heads by DTensor's sharding propagation (a local slice). Such attention blocks take the DTensor path, not the fast
-path (:mod:`vescale.parallel.local` requires sharded k/v projections).
+path (:mod:`vescale.parallel.fast` requires sharded k/v projections).
 """
 
 from __future__ import annotations

@@ -36,9 +36,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from vescale.core.sharded_state import mark_piece, piece_of
 from vescale.dtensor import RaggedShard
 from vescale.parallel import optimizer_state
-from vescale.parallel.clip_grad import _dtensor_groups, clip_grad_norm_, is_tied_copy, mark_sharded, mark_tied_copy
+from vescale.parallel.clip_grad import _dtensor_groups, clip_grad_norm_
 from vescale.parallel.ddp import DistributedDataParallel, _all_gather, _Bucket, _Slot, local_tensor
 from vescale.parallel.errors import ZeroError
 
@@ -95,8 +96,10 @@ class DistributedOptimizer:
     gradients; its ``zero_stage`` must be 2 for ``zero_stage=2`` and 0 or 1 for ``zero_stage`` 0 or 1.
     ``optimizer_cls_or_instance`` is an optimizer class (built with ``**kw`` over this rank's master pieces) or a
     freshly built instance over ``module``'s parameters (its param groups and defaults are reused; it must have no
-    state yet); parameters marked by :func:`~vescale.parallel.clip_grad.mark_tied_copy` before construction (a
-    pipeline-tied weight's later copies) are left out of the clip norm. ``master_dtype`` is the dtype of
+    state yet). Each master piece is marked (:func:`vescale.core.sharded_state.mark_piece`) with the groups a clip norm
+    sums it over: the ranks its bucket is sharded over, its parameter's DTensor shard dims and the groups of its
+    parameter's own mark (a plain piece over ep); a parameter marked ``counts_in_norm=False`` before construction (a
+    pipeline-tied weight's later copies) leaves its pieces out of the clip norm. ``master_dtype`` is the dtype of
     the master weights and optimizer states (fp32 for bf16 models). ``clip_grad`` clips the global gradient norm
     (over dp, TP shards and ``pp_group``) before each step; the norm is kept in :attr:`grad_norm`.
 
@@ -184,10 +187,10 @@ class DistributedOptimizer:
                 groups = {reduction.name: reduction.group} if self.zero_stage and reduction.size > 1 else {}
                 if isinstance(slot.param, DTensor):
                     groups.update(_dtensor_groups(slot.param))
-                groups.update(slot.shard_groups)  # a plain piece over DDP's data dims (local_shards: experts)
-                mark_sharded(master, groups)
-                if is_tied_copy(slot.param):  # a pipeline-tied weight another stage counts in the norm
-                    mark_tied_copy(master)
+                own = piece_of(slot.param)  # a plain piece (experts over ep), or a tied copy another stage counts
+                if own is not None:
+                    groups.update(own.group_map)
+                mark_piece(master, groups=groups, counts_in_norm=own is None or own.counts_in_norm)
                 pieces[slot.param] = _Piece(slot, lo, hi, master, grad, aliased)
         return pieces
 
@@ -274,7 +277,7 @@ class DistributedOptimizer:
             # The same layout as a vescale placement over the dp mesh dim of the flattened local tensor [numel]:
             # units of one element, ranks[r] holds ranges[r].
             "placement": RaggedShard((0,), [hi - lo for lo, hi in ranges]) if numel and self.zero_stage else None,
-            "global_shape": list(p.shape),
+            "global_shape": list(optimizer_state._global_shape(p)),
             "local_shape": list(piece.slot.local_shape),
             "dtype": str(p.dtype).removeprefix("torch."),
             "placements": [str(pl) for pl in p.placements] if is_dt else [],

@@ -24,6 +24,12 @@ ep, its buckets sharded over dp) has the local tensor of its ep rank's experts, 
 local chunks, over every mesh dim of the parameter: ep and tp, interleaved or not) places the piece at its experts.
 Such a checkpoint loads on another ep size, without tp and on one process
 (``integration_tests/test_checkpoint_experts.py``, dp2 x ep2 and ep2 x tp2).
+
+A plain parameter marked as a box of a global tensor (:func:`vescale.core.sharded_state.mark_piece` with
+``global_shape`` and ``offsets``: an ep rank's ``[E / ep, ...]`` experts kept by
+:func:`~vescale.parallel.keep_local_experts` in a pipeline stage) is placed the same way: its pieces' boxes are in
+the global tensor's coordinates (shifted by the mark's offsets) and of its global shape, so the state loads into
+DTensor experts, another pp x ep split or one process.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vescale.core.sharded_state import Box, ShardedTensor, flat_range_boxes, init_optimizer_state
+from vescale.core.sharded_state import Box, ShardedTensor, flat_range_boxes, init_optimizer_state, piece_of
 from vescale.dtensor.layout import local_chunks
 from vescale.parallel.errors import ZeroError
 
@@ -53,12 +59,21 @@ _CHUNKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LocalBox = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
+def _global_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the global tensor ``p`` is (part of): a DTensor's own, a placed plain piece's, else ``p``'s."""
+    mark = piece_of(p) if not isinstance(p, DTensor) else None
+    return mark.global_shape if mark is not None and mark.placed else tuple(p.shape)
+
+
 def _tp_chunks(piece: _Piece) -> list[_LocalBox]:
     """The boxes of the global parameter its TP-local tensor holds, each with where it sits in the local tensor: one
-    for a plain tensor or a ``Shard``, several for an interleaved placement (``InterleavedShard``: one per chunk)."""
+    for a plain tensor (at its mark's offsets when it is a placed piece of a global tensor) or a ``Shard``, several
+    for an interleaved placement (``InterleavedShard``: one per chunk)."""
     p, local_shape = piece.slot.param, tuple(piece.slot.local_shape)
     if not isinstance(p, DTensor):
-        return [((0,) * len(local_shape), (0,) * len(local_shape), local_shape)]
+        mark = piece_of(p)
+        at = mark.offsets if mark is not None and mark.placed else (0,) * len(local_shape)
+        return [(at, (0,) * len(local_shape), local_shape)]
     layout = (tuple(p.placements), tuple(p.shape))
     cached = _CHUNKS.get(p)
     if cached is not None and cached[0] == layout:
@@ -90,7 +105,7 @@ def _flat_piece(piece: _Piece, tensor: torch.Tensor, name: str) -> ShardedTensor
             boxes.append(Box(tuple(g + s - lo for g, s, lo in zip(global_offset, start, local_offset)),
                              tuple(e - s for s, e in zip(start, end)),
                              data[tuple(slice(s - o, e - o) for s, e, o in zip(start, end, offsets))]))
-    return ShardedTensor(tuple(p.shape), tensor.dtype, boxes, updated_by_step=True, name=name)
+    return ShardedTensor(_global_shape(p), tensor.dtype, boxes, updated_by_step=True, name=name)
 
 
 def _hparams(group: dict) -> dict[str, Any]:

@@ -55,17 +55,9 @@ from vescale.dtensor import distribute_tensor, is_deferred, materialize
 from vescale.dtensor.api import from_local_nograd
 from vescale.parallel.compile import install_compilable_embeddings
 from vescale.parallel.factory import FactoryCapture, capture_suspended
+from vescale.parallel.fast import FastPathContext, install_fast_path
 from vescale.parallel.kv_replicas import install_kv_replicas, planned_kv_replicas
-from vescale.parallel.local import (
-    FAST_BLOCKS,
-    FAST_LAYERS,
-    FAST_MODELS,
-    fast_block,
-    fast_layer,
-    fast_model,
-    in_fast_block,
-    make_local,
-)
+from vescale.parallel.local import make_local
 from vescale.parallel.model_calls import name_embeddings
 from vescale.parallel.plan_grammar import Plan, check_plan, mesh_description
 from vescale.parallel.report import PlanEntry, PlanReport
@@ -305,6 +297,7 @@ class _RootState:
 
 def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: dict, report: PlanReport) -> None:
     mods = dict(module.named_modules())
+    fast = FastPathContext()  # the fast path's state for this model: its blocks and the hooks below share it
     for fqn, (key, spec) in local.items():
         report.entries.append(PlanEntry("local", fqn, (), format_placements(spec), key))
         make_local(mods[fqn], mesh, spec, outputs.get(fqn, (None, None))[1], fqn)
@@ -312,12 +305,13 @@ def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: 
         report.entries.append(PlanEntry("input", fqn, (), format_placements(spec), key))
         if fqn != "":
             mods[fqn].register_forward_pre_hook(
-                functools.partial(_input_hook, mesh=mesh, spec=spec, fqn=fqn), with_kwargs=True)
+                functools.partial(_input_hook, mesh=mesh, spec=spec, fqn=fqn, fast=fast), with_kwargs=True)
     for fqn, (key, spec) in outputs.items():
         report.entries.append(PlanEntry("output", fqn, (), format_placements(spec), key))
         if fqn != "" and fqn not in local:
-            mods[fqn].register_forward_hook(functools.partial(_output_hook, mesh=mesh, spec=spec, fqn=fqn))
-    _install_fast_blocks(mods, mesh, inputs, outputs, local)
+            mods[fqn].register_forward_hook(
+                functools.partial(_output_hook, mesh=mesh, spec=spec, fqn=fqn, fast=fast))
+    install_fast_path(module, mesh, inputs, outputs, local, fast, _apply_outputs)
     # a root that runs an exported graph (a pipeline stage) calls aten factories directly; others call torch.*
     runs_graph = any(isinstance(v, torch.fx.GraphModule) for v in (module, *vars(module).values()))
     hooked = {fqn for fqn, p in module.named_parameters() if isinstance(p, DTensor) and p.requires_grad}
@@ -327,44 +321,6 @@ def _install_hooks(module: nn.Module, mesh, inputs: dict, outputs: dict, local: 
         functools.partial(_root_pre_hook, state=state, spec=inputs.get("", (None, None))[1]), with_kwargs=True)
     module.register_forward_hook(
         functools.partial(_root_post_hook, state=state, spec=outputs.get("", (None, None))[1]), always_call=True)
-
-
-def _install_fast_blocks(mods: dict, mesh, inputs: dict, outputs: dict, local: dict) -> None:
-    """Known blocks whose plan layout qualifies run on local tensors between their boundaries (see
-    :class:`vescale.parallel.local.FastBlock`); the plan, its report and every boundary stay as they are."""
-    named = [*inputs, *outputs, *local]
-    for fqn, mod in mods.items():
-        known = FAST_BLOCKS.get((type(mod).__module__, type(mod).__qualname__))
-        if not fqn or known is None or fqn in local:
-            continue
-        row = f"{fqn}.{known[2]}"
-        inside = any(n.startswith(fqn + ".") and not (n == row and n in outputs and n not in inputs)
-                     for n in named)
-        row_spec = outputs.get(row, (None, None))[1]
-        if row in local:
-            continue
-        finish = functools.partial(_finish_row, spec=row_spec, mesh=mesh, fqn=row)
-        fast_block(mod, mesh, inputs.get(fqn, (None, None))[1], row_spec, inside, finish)
-    # then whole decoder layers whose two blocks both went fast (:class:`vescale.parallel.local.FastLayer`)
-    for fqn, mod in mods.items():
-        known = FAST_LAYERS.get((type(mod).__module__, type(mod).__qualname__))
-        if not fqn or known is None:
-            continue
-        norms = [f"{fqn}.{known[i]}" for i in (0, 2)]
-        fast_layer(mod, mesh, any(n == fqn or any(n == o or n.startswith(o + ".") for o in norms) for n in named))
-    # then whole causal LMs whose every layer went fast (:class:`vescale.parallel.local.FastModel`): relative FQNs
-    for fqn, mod in mods.items():
-        if (type(mod).__module__, type(mod).__qualname__) not in FAST_MODELS:
-            continue
-        prefix = f"{fqn}." if fqn else ""
-        inside = {n[len(prefix):]: spec for n, (_, spec) in inputs.items() if n.startswith(prefix) and n != fqn}
-        after = {n[len(prefix):]: spec for n, (_, spec) in outputs.items() if n.startswith(prefix) and n != fqn}
-        fast_model(mod, mesh, inside, after, [n[len(prefix):] for n in named if n.startswith(prefix) and n != fqn],
-                   own_output=outputs.get(fqn, (None, None))[1])
-
-
-def _finish_row(out: Any, *, spec, mesh, fqn: str) -> Any:
-    return _apply_outputs(out, spec, mesh, fqn)
 
 
 def _convert(x: Any, mesh, placements, *, where: str) -> Any:
@@ -466,14 +422,14 @@ def _apply_outputs(out: Any, spec, mesh, fqn: str) -> Any:
     raise PlanError(f"the plan gives placements for the outputs of {name} but it returned {type(out).__name__}")
 
 
-def _input_hook(module: nn.Module, args: tuple, kwargs: dict, *, mesh, spec, fqn: str):
-    if in_fast_block():  # plain local tensors inside a fast block; the block applies its boundaries itself
+def _input_hook(module: nn.Module, args: tuple, kwargs: dict, *, mesh, spec, fqn: str, fast: FastPathContext):
+    if fast.depth:  # plain local tensors inside a fast block; the block applies its boundaries itself
         return None
     return _apply_args(args, kwargs, spec, mesh, fqn)
 
 
-def _output_hook(module: nn.Module, args: tuple, out: Any, *, mesh, spec, fqn: str):
-    if in_fast_block():
+def _output_hook(module: nn.Module, args: tuple, out: Any, *, mesh, spec, fqn: str, fast: FastPathContext):
+    if fast.depth:
         return None
     return _apply_outputs(out, spec, mesh, fqn)
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vescale.core.mesh import dim_group
+from vescale.core.sharded_state import mark_piece
 from vescale.pipe import _p2p
 from vescale.pipe._backward import PendingWeightGrad, backward_full, backward_input, backward_weight
 from vescale.pipe.errors import PipeError, ScheduleError
@@ -277,8 +278,9 @@ class PipeEngine:
 
     def _register_parameters(self, errors: list[str]) -> None:
         """Collect this rank's trainable parameters by (canonical) FQN from the unwrapped stages, and learn over pp
-        which names several stages hold (tied weights: ``shared``, with their local shapes). One
-        ``all_gather_object`` over the pp group, which also raises every rank's ``errors`` on every rank."""
+        which names several stages hold (tied weights: ``shared``, with their local shapes), and mark each of
+        :meth:`tied_copies` ``mark_piece(p, counts_in_norm=False)``. One ``all_gather_object`` over the pp group,
+        which also raises every rank's ``errors`` on every rank."""
         self._params: dict[str, list[nn.Parameter]] = {}
         for s in self._unwrapped.values():
             aliases = getattr(s, "canonical_names", {})
@@ -299,6 +301,8 @@ class PipeEngine:
                 holders.setdefault(n, []).append((r, meta))
         self.shared = {n: h[0][1] for n, h in sorted(holders.items()) if len(h) > 1}
         self._first_holder = {n: h[0][0] for n, h in holders.items()}  # the lowest pp rank holding each name
+        for p in self.tied_copies():  # a gradient norm over pp (vescale.parallel's clipping) counts the weight once
+            mark_piece(p, counts_in_norm=False)
 
     @staticmethod
     def _resolve_groups(pp: Any, dp_group: Any) -> tuple[Any, Any, Any]:
@@ -328,8 +332,9 @@ class PipeEngine:
         """The local parameters whose gradient, after a step, another holder also has and counts in a global norm.
 
         A tied weight held by several stages has after :meth:`step` the same summed gradient on each holder. It is
-        counted by its lowest pp rank's first local copy; every other copy is listed here (mark them with
-        ``vescale.parallel.clip_grad.mark_tied_copy`` so that a gradient norm over pp counts the weight once).
+        counted by its lowest pp rank's first local copy; every other copy is listed here, and the engine marks each
+        ``vescale.core.sharded_state.mark_piece(p, counts_in_norm=False)`` (at construction and after
+        :meth:`wrap_stages`), so that a gradient norm over pp counts the weight once.
         """
         out = []
         for name, ps in self._params.items():

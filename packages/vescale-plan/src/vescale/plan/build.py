@@ -164,12 +164,9 @@ class Parallelized:
         return self.grad_norm
 
     def state(self, optimizer=None) -> dict:
-        """What a checkpoint saves and loads (any other mesh loads it): ``{"model": ..., "optim": optimizer}``; with
-        pp x ep the stages' plain expert rows are shown as boxes of the global tensors."""
-        if self._experts:
-            from vescale.parallel.expert_state import local_experts_state
-
-            return local_experts_state(self.modules, optimizer, self._experts, self.mesh)
+        """What a checkpoint saves and loads (any other mesh loads it): ``{"model": ..., "optim": optimizer}``, the
+        model as :attr:`modules` holds it (with pp x ep the stages' plain expert rows are marked as boxes of the global
+        tensors, which a checkpoint, the optimizer's sharded state and a plain optimizer's state follow)."""
         model = self.modules[0] if self.engine is None else self.modules
         return {"model": model} if optimizer is None else {"model": model, "optim": optimizer}
 
@@ -251,15 +248,13 @@ def _needs_ddp(spec: ParallelSpec, roles: MeshRoles) -> bool:
     return roles.dense_grads.size > 1 or spec.zero in (1, 2) or spec.dtype != "fp32"
 
 
-def _ddp(module: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, stage_late=None, local_shards=None):
+def _ddp(module: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, stage_late=None):
     from vescale.parallel import DistributedDataParallel
 
     kw: dict[str, Any] = {"zero_stage": spec.zero, "grad_dtype": _dtype(spec.reduce_dtype)}
     if stage_late is not None:  # a pipeline stage: tied weights after the engine's pp sum; the engine waits
         kw.update(late_params=stage_late, wait_in_backward=False)
     if roles.ep.size > 1:  # dense parameters summed over ep and averaged over dp, experts averaged over dp
-        if local_shards is not None:
-            kw["local_shards"] = local_shards
         return DistributedDataParallel(module, roles.mesh, data_dims=("ep",), **kw)
     return DistributedDataParallel(module, roles.dense_grads.mesh, **kw)
 
@@ -287,12 +282,11 @@ def apply_dp(model: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, engine=N
     wrappers = []
 
     def wrap(index: int, stage: nn.Module, late: list) -> nn.Module:
-        local = None
-        if experts:  # this ep rank keeps its experts' rows as plain [E / ep, ...] parameters
+        if experts:  # this ep rank keeps its experts' rows as plain [E / ep, ...] parameters, marked pieces over ep
             from vescale.parallel import keep_local_experts
 
-            local = {fqn: ("ep",) for fqn in keep_local_experts(stage, experts, roles.mesh)}
-        wrappers.append(_ddp(stage, roles, spec, stage_late=late, local_shards=local))
+            keep_local_experts(stage, experts, roles.mesh)
+        wrappers.append(_ddp(stage, roles, spec, stage_late=late))
         return wrappers[-1]
 
     engine.wrap_stages(wrap)
@@ -303,7 +297,8 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
           seq_len: int | None = None, example_inputs: Any = None, device: torch.device | str | None = None,
           load_weights: LoadWeights | None = None) -> Parallelized:
     """Parallelize ``model`` (unmodified; plain, or recorded by ``vescale.dtensor.deferred_init``) as ``spec`` says,
-    on ``mesh`` (default: ``init_mesh(spec.mesh)``; pp x ep and ep with ZeRO or bf16 add ``dp=1`` for DDP's groups),
+    on ``mesh`` (default: ``init_mesh(spec.mesh)``, none for one rank without a process group or named dims; pp x ep
+    and ep with ZeRO or bf16 add ``dp=1`` for DDP's groups),
     and return the :class:`Parallelized` training interface.
 
     ``loss_fn(output, targets)``: the mean loss of a batch (default: next-token cross-entropy of the logits).
@@ -315,13 +310,12 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
     """
     from vescale.dtensor import is_deferred, materialize, record_deferred
     from vescale.parallel import checkpoint_activations, compile_parallel, context_parallel
-    from vescale.parallel.clip_grad import mark_tied_copy
     from vescale.parallel.context_parallel import local_positions
     from vescale.plan.auto_parallelize import language_model_loss
 
     spec.check(batch_size=batch_size, seq_len=seq_len)
     loss_fn = loss_fn or language_model_loss
-    if mesh is None and spec.world_size > 1:
+    if mesh is None and (spec.world_size > 1 or (spec.mesh and dist.is_initialized())):
         dims = dict(spec.mesh)
         if spec.size("ep") > 1 and "dp" not in dims and (spec.size("pp") > 1 or spec.zero or spec.dtype != "fp32"):
             dims = {"dp": 1, **dims}  # DDP's data_dims groups are built over dp x ep
@@ -368,8 +362,6 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
             for stage in held:
                 checkpoint_activations(stage, spec.activation_checkpointing, whole=True)
         out.ddp = apply_dp(model, roles, spec, engine=engine, experts=experts)  # (wrappers keep the stage modules)
-        for p in engine.tied_copies():  # a tied weight held by two stages counts once in a norm over pp
-            mark_tied_copy(p)
         out.engine, out.modules, out._experts, out._cp_positions = engine, held, experts, cp_positions
         return out
     if roles.tp.size > 1:  # (with ep: over the model's ep x tp mesh)

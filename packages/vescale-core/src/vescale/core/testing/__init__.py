@@ -26,15 +26,17 @@ data-parallel loop to compare with it) is written once in :mod:`vescale.core.tes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from vescale.core._workers import WorkerGroup
 
-__all__ = ["multi_rank", "run_on_ranks", "shutdown_pools", "pool_pids", "imported_vescale_packages", "DEFAULT_TIMEOUT"]
+__all__ = ["multi_rank", "run_on_ranks", "shutdown_pools", "pool_pids", "imported_vescale_packages", "DEFAULT_TIMEOUT",
+           "fails_if_hung"]
 
 #: Seconds a test body may run on its ranks; override per test or with ``VESCALE_TEST_TIMEOUT``.
 DEFAULT_TIMEOUT = float(os.environ.get("VESCALE_TEST_TIMEOUT", "300"))
@@ -127,3 +129,23 @@ def imported_vescale_packages(module: str) -> set[str]:
     if out.returncode != 0:
         raise ImportError(f"import {module} failed in a fresh interpreter:\n{out.stderr}")
     return set(out.stdout.split())
+
+
+@contextlib.contextmanager
+def fails_if_hung(seconds: float) -> Iterator[None]:
+    """Fail the test, instead of hanging the run, if the body is still running after ``seconds`` (a guard against a
+    hang, not a timing: keep it minutes above any wait the body expects). Main thread only (SIGALRM)."""
+    import signal
+
+    import pytest
+
+    def hung(signum, frame):
+        pytest.fail(f"still running after {seconds} s: the call hung", pytrace=False)
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["assert_first_adamw_step", "ReferenceRun", "reference_training", "reference_gradients", "data_parallel_training", "one_thread",
-           "single_threaded", "progression_batch", "saved_activation_bytes"]
+__all__ = ["assert_first_adamw_step", "ReferenceRun", "reference_training", "reference_gradients",
+           "data_parallel_training", "one_thread", "single_threaded", "progression_batch", "saved_activation_bytes"]
 
 #: ``step -> (inputs, targets)``: the global batch of a step, the same on every rank and in the reference.
 Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]

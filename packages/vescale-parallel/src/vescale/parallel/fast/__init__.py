@@ -1,0 +1,22 @@
+"""The fast path: recognised blocks of a tensor-parallel model run on local tensors between the plan's boundaries.
+
+Where the plan gives an attention or gated-MLP block exactly Megatron's layout, it runs on plain local tensors
+(:class:`FastBlock`); a decoder layer whose two blocks do runs whole (:class:`FastLayer`); a causal LM whose every
+layer does runs from token ids to logits (:class:`FastModel`). Modules are recognised by structure (children,
+parameters, placements, plan entries) among transformers' classes; see :mod:`.structure`. The plan, its report,
+strict mode and the collectives do not change: forward values are bitwise the DTensor path's, gradients equal it to
+rounding. Each parallelized model keeps its run-time state in its :class:`FastPathContext`; ``with
+fast_path(False):`` makes every block take the DTensor path. ``parallelize_module`` installs it
+(:func:`install_fast_path`).
+"""
+
+from __future__ import annotations
+
+from vescale.parallel.fast.block import FastBlock
+from vescale.parallel.fast.context import FastPathContext, fast_path, fast_path_enabled
+from vescale.parallel.fast.install import install_fast_path
+from vescale.parallel.fast.layer import FastLayer
+from vescale.parallel.fast.model import FastModel
+
+__all__ = ["FastBlock", "FastLayer", "FastModel", "FastPathContext", "fast_path", "fast_path_enabled",
+           "install_fast_path"]

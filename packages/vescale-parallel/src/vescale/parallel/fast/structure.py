@@ -1,0 +1,64 @@
+"""What the fast path's recognisers look at: a module's children, parameters, placements and origin, never its name.
+
+Contract: each predicate is static (no collective, no forward run) and conservative. Code run on local tensors must
+compute what it computes on DTensors; what makes that hold for a transformers module is the library's own layout
+conventions (shapes from the input, ``view(*input_shape, -1, head_dim)``; per-head attention through its attention
+interface; elementwise activations), so a recognised module's class is one transformers defines
+(:func:`from_transformers`: a subclass defined elsewhere may compute anything) whose ``forward`` is not replaced.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+__all__ = ["from_transformers", "input_name", "only_shard_on", "is_activation", "replicated_weight_norm"]
+
+# torch's dropout modules (all the public subclasses of its private _DropoutNd): random, so never run locally
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def from_transformers(module: nn.Module) -> bool:
+    """Whether ``module``'s class is defined by transformers and its ``forward`` is the class's own."""
+    return type(module).__module__.startswith("transformers.") and "forward" not in vars(module)
+
+
+def input_name(module: nn.Module) -> str | None:
+    """The name of the first parameter of ``type(module).forward`` (the activation it takes), if it can be passed
+    by position or by keyword; None otherwise."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    if not params or params[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        return None
+    return params[0].name
+
+
+def only_shard_on(placements, dim: int) -> int | None:
+    """The mesh dim on which ``placements`` is exactly ``Shard(dim)`` when every other mesh dim replicates, else
+    None."""
+    found = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim == dim]
+    rest = [p for i, p in enumerate(placements) if i not in found]
+    if len(found) != 1 or not all(isinstance(p, Replicate) for p in rest):
+        return None
+    return found[0]
+
+
+def is_activation(module: nn.Module) -> bool:
+    """A stateless leaf (no parameters, buffers or children) that is not a dropout: an elementwise activation in a
+    transformers block."""
+    return (not list(module.parameters()) and not list(module.buffers()) and not list(module.children())
+            and not isinstance(module, _DROPOUT_MODULES))
+
+
+def replicated_weight_norm(module: nn.Module, mesh) -> bool:
+    """A leaf whose only state is one ``weight``, a DTensor on ``mesh`` replicated on every mesh dim, and whose
+    ``forward`` is its class's own (an RMSNorm)."""
+    state = [*module.named_parameters(), *module.named_buffers()]
+    if [n for n, _ in state] != ["weight"] or list(module.children()) or "forward" in vars(module):
+        return False
+    w = module.weight
+    return isinstance(w, DTensor) and w.device_mesh == mesh and all(type(p) is Replicate for p in w.placements)
