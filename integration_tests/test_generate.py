@@ -64,9 +64,10 @@ def test_cli_end_to_end_matches_from_pretrained(tmp_path):
     lines = run.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
     want = _reference(path, PROMPTS, max_new_tokens=8, do_sample=False)
-    # rank 0 streamed its first prompt's tokens, then printed every completion
-    assert lines[0].split() == [str(t) for t in want[0]], run.stdout
-    assert lines[1:3] == [f"[{i}] {row}" for i, row in enumerate(want)], run.stdout
+    # rank 0 (only) streamed its first prompt's tokens, then printed the other completion: each once
+    assert lines[:-1] == [f"[{i}] {row}" for i, row in enumerate(want)], run.stdout
+    # transformers' cache-rename deprecation (vescale's boundary, not the user's call) is not printed by any rank
+    assert generate.CACHE_RENAME_WARNING not in run.stderr, run.stderr[-3000:]
     assert summary["mesh"] == {"tp": 2} and summary["prefill_s"] > 0 and summary["decode_tokens_per_s"] > 0
     # each rank holds its own key/value head (2 kv heads / tp=2) of 2 layers x (keys + values), 2 rows, 4 + 8
     # positions (the last token is not fed back), head dim 8, fp32

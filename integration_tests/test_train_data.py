@@ -278,3 +278,29 @@ def test_a_checkpoint_from_other_data_starts_the_new_data_at_its_beginning(corpu
     offset, note = data_mod.resume_offset({"step": 3, "sequences": 24, "data": "elsewhere"}, d, 8)
     assert offset == -24 and "other data" in note
     assert d.batch(3, 8, 16, offset).equal(d.batch(0, 8, 16))
+
+
+def test_degenerate_greedy_sample_prints_as_one_note():
+    """A greedy continuation that collapsed into newlines prints one line naming it, not dozens of empty lines; a
+    healthy continuation prints whole; a tail of whitespace after real text is cut and counted."""
+    import sample
+
+    vocab = {0: "\n", 1: " ", 2: "cat", 3: " sat", 4: "the"}
+
+    def decode(ids):
+        return "".join(vocab[t] for t in ids)
+
+    prompt = [4, 2]
+    lines = sample.format_continuation(decode, prompt, [0] * 30, "greedy")
+    assert lines == ["greedy: continuation degenerates into repeated newlines (30 tokens)", "    | thecat"]
+    assert sample.degenerate_tail([2, 3] + [0, 1] * 5, decode) == (10, "repeated whitespace")
+    lines = sample.format_continuation(decode, prompt, [3, 3, 2] + [0, 1] * 5, "sampled (1)")
+    assert lines == ["sampled (1):", "    | thecat sat satcat",
+                     "    ... then degenerates into repeated whitespace (10 tokens, not shown)"]
+    assert sample.degenerate_tail([3, 2, 2, 2, 2, 2], decode) == (5, "repeated 'cat'")
+    ok = [3, 0, 4, 2, 0, 0]  # two trailing newlines are text, not degeneration
+    assert sample.degenerate_tail(ok, decode) == (0, "")
+    shown = sample.format_continuation(decode, prompt, ok, "greedy")
+    assert shown == ["greedy:", "    | thecat sat\n    | thecat\n    | "]
+    text = "\n".join(sample.format_continuation(decode, prompt, [0] * 30, "greedy"))
+    assert text.count("\n") == 1

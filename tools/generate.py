@@ -25,14 +25,16 @@ group compute the same full logits (the plan gathers them) and so draw the same 
 group's draws are what one device draws for *that group's* prompts under ``--seed`` (a batch is one random stream;
 the groups are independent batches, as independent servers are).
 
-Rank 0 streams the text of its first prompt as it is produced, then prints every completion and a JSON summary:
-prefill seconds, decode tokens/s, KV-cache bytes and peak memory per rank.
+Rank 0 (only) streams the text of its first prompt as it is produced (``[0] ...``), then prints the other completions
+(``[1] ...``; each text once) and a JSON summary: prefill seconds, decode tokens/s, KV-cache bytes and peak memory per
+rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -192,7 +194,8 @@ def pad_id(config) -> int:
 
 
 class Stream:
-    """A ``generate`` streamer: times the prefill and every decode step; on rank 0 prints row 0's text as it comes."""
+    """A ``generate`` streamer: times the prefill and every decode step; on rank 0 prints row 0's text as it comes,
+    labelled ``[0]`` as :func:`completion_lines` labels the other rows (ids as a list when there is no tokenizer)."""
 
     def __init__(self, tokenizer, echo: bool) -> None:
         self.tokenizer, self.echo, self.times, self.row, self.shown = tokenizer, echo, [], [], ""
@@ -204,13 +207,43 @@ class Stream:
         self.row.append(int(value.reshape(-1)[0]))
         if self.echo:
             text = self.tokenizer.decode(self.row, skip_special_tokens=True) if self.tokenizer else \
-                " ".join(map(str, self.row))
-            print(text[len(self.shown):] if text.startswith(self.shown) else f"\n{text}", end="", flush=True)
+                "[" + ", ".join(map(str, self.row))
+            if not self.shown:
+                print("[0] ", end="")
+            elif not text.startswith(self.shown):  # the decode of the longer row rewrote earlier text
+                print("\n[0] ", end="")
+                self.shown = ""
+            print(text[len(self.shown):], end="", flush=True)
             self.shown = text
 
     def end(self) -> None:
-        if self.echo:
-            print(flush=True)
+        if self.echo and self.row:
+            print("" if self.tokenizer else "]", flush=True)
+
+
+def completion_lines(rows: list, streamed: bool) -> list[str]:
+    """The printed completions, ``[i] row``: every row but the first when rank 0 has already streamed it (each text
+    is printed once)."""
+    return [f"[{i}] {row}" for i, row in enumerate(rows) if not (streamed and i == 0)]
+
+
+CACHE_RENAME_WARNING = "`past_key_values`/`cache_params` are deprecated"
+
+
+class _DropCacheRename(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return CACHE_RENAME_WARNING not in record.getMessage()
+
+
+def quiet_cache_rename_warning() -> None:
+    """Drop transformers' "`past_key_values`/`cache_params` are deprecated. Use `cache` instead." on this rank.
+
+    It is noise a user of this tool cannot act on: the sharded model's boundary (``vescale.parallel.fast``) still
+    reads and passes the cache under its transformers 4 name, which transformers 5 warns about once per process,
+    i.e. once per rank. Only that message is dropped; transformers' other warnings still print."""
+    log = logging.getLogger("transformers.utils.generic")
+    if not any(isinstance(f, _DropCacheRename) for f in log.filters):
+        log.addFilter(_DropCacheRename())
 
 
 def cache_bytes(cache) -> int:
@@ -259,6 +292,7 @@ def generate(cfg: GenerateConfig) -> dict:
     from vescale.core.mesh import init_mesh, sub_mesh
     from vescale.parallel.kv_replicas import kv_replicated_modules
 
+    quiet_cache_rename_warning()
     rank = dist.get_rank()
     dp, tp = cfg.dims.get("dp", 1), cfg.dims.get("tp", 1)
     mesh = init_mesh({"dp": dp, "tp": tp} if dp > 1 else {"tp": tp})
@@ -349,8 +383,9 @@ def main(argv: list[str] | None = None) -> dict:
         summary = spawn(generate, world, cfg)
     if summary:
         if not cfg.quiet:
-            for i, row in enumerate(summary["texts"] or summary["tokens"]):
-                print(f"[{i}] {row}")
+            # rank 0 streamed row 0 (labelled [0]) when it produced any token
+            for line in completion_lines(summary["texts"] or summary["tokens"], streamed=bool(summary["tokens"][0])):
+                print(line)
         print(json.dumps({k: v for k, v in summary.items() if k not in ("texts",) and
                           (k != "tokens" or cfg.quiet)}))
     return summary

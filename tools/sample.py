@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["generate", "continuations", "decoder"]
+__all__ = ["generate", "continuations", "decoder", "degenerate_tail", "format_continuation"]
+
+MIN_DEGENERATE = 4  # a tail of this many whitespace-only or identical ids prints as a note, not as text
 
 
 def _logits(output) -> torch.Tensor:
@@ -65,8 +67,47 @@ def continuations(model: nn.Module, tokenizer_dir, prompt: list[int], new_tokens
     decode = (lambda t: repr(t)) if tokenizer_dir is None else decoder(tokenizer_dir)
     lines = ["prompt:", _indent(decode(prompt))]
     for i, row in enumerate(ids):
-        lines += ["greedy:" if i == 0 else f"sampled ({i}):", _indent(decode(prompt + row))]
+        lines += format_continuation(decode, prompt, row, "greedy" if i == 0 else f"sampled ({i})")
     return ids, "\n".join(lines)
+
+
+def degenerate_tail(row: list[int], decode, *, min_tokens: int = MIN_DEGENERATE) -> tuple[int, str]:
+    """How many of ``row``'s last ids are degenerate and what they are: the longest suffix whose ids each decode to
+    whitespace only, or the last id repeated, whichever is longer; ``(0, "")`` when it is under ``min_tokens``.
+
+    The description names what repeats (``"repeated newlines"``, ``"repeated whitespace"``, ``"repeated 'ab'"``), so a
+    greedy continuation that collapsed into blank lines prints as one line saying so instead of as empty lines."""
+    spaces = 0
+    for t in reversed(row):
+        if decode([t]).strip():
+            break
+        spaces += 1
+    same = 0
+    for t in reversed(row):
+        if t != row[-1]:
+            break
+        same += 1
+    n = max(spaces, same)
+    if n < min_tokens:
+        return 0, ""
+    texts = {decode([t]) for t in row[len(row) - n:]}
+    if texts <= {"\n"}:
+        return n, "repeated newlines"
+    if n == spaces:
+        return n, "repeated whitespace"
+    return n, f"repeated {decode([row[-1]])!r}"
+
+
+def format_continuation(decode, prompt: list[int], row: list[int], label: str) -> list[str]:
+    """The printable lines of one continuation: ``label:``, then ``prompt + row`` decoded and indented, its
+    degenerate tail (:func:`degenerate_tail`) cut off and replaced by a one-line note of what it was and how long."""
+    n, what = degenerate_tail(row, decode)
+    if not n:
+        return [f"{label}:", _indent(decode(prompt + row))]
+    if n == len(row):
+        return [f"{label}: continuation degenerates into {what} ({n} tokens)", _indent(decode(prompt))]
+    return [f"{label}:", _indent(decode(prompt + row[:len(row) - n])),
+            f"    ... then degenerates into {what} ({n} tokens, not shown)"]
 
 
 def decoder(tokenizer_dir):

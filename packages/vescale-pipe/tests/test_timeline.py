@@ -62,3 +62,43 @@ def test_trace_has_every_rank_and_microbatch(gpt_pipeline, tmp_path):
         assert (tmp_path / "trace.png").stat().st_size > 1000
     else:  # the PNG is optional: skipped with a message, the JSON is still written
         assert not (tmp_path / "trace.png").exists()
+
+
+def test_legend_gives_every_category_its_own_colour():
+    from vescale.pipe import timeline
+
+    legend = timeline._legend()
+    assert len(set(legend.values())) == len(legend), legend  # no two entries share a colour
+    # every lane's category is in the legend, with the colour its spans are drawn in
+    for cat in timeline._LANES:
+        assert legend[cat] == timeline._COLORS[cat], cat
+    assert timeline._OTHER_COLOR not in timeline._COLORS.values()
+
+
+def test_legend_clear_of_the_ms_label():
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vescale.pipe import timeline
+
+    trace = {"traceEvents": [{"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}}
+                             for r in range(2)]
+             + [{"ph": "X", "name": cat, "cat": cat, "pid": r, "ts": 10.0 * i, "dur": 8.0}
+                for r in range(2) for i, cat in enumerate([*timeline._COLORS, "user"])]}
+    fig = timeline._gantt_figure(trace)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        legend = ax.get_legend().get_window_extent(renderer)
+        label = ax.xaxis.label.get_window_extent(renderer)
+        assert not legend.overlaps(label), (legend, label)
+        assert not legend.overlaps(ax.get_window_extent(renderer))  # beside the bars, not over them
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == list(timeline._legend())
+    finally:
+        plt.close(fig)

@@ -13,14 +13,16 @@ import os
 import sys
 
 from vescale.checkpoint.errors import CheckpointError
+from vescale.checkpoint.inspection import summary_lines
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 a checkpoint problem, printed to stderr)."""
     parser = argparse.ArgumentParser(prog="python -m vescale.checkpoint", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="print a JSON summary of a checkpoint")
+    p = sub.add_parser("inspect", help="print a summary of a checkpoint: one line per tensor, then the totals")
     p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="the full summary as JSON (machine-readable)")
     p = sub.add_parser("verify", help="check every file and checksum; exit 1 naming the damaged files")
     p.add_argument("path")
     p = sub.add_parser("export-hf", help="write Hugging Face sharded safetensors plus index")
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "inspect":
-            print(json.dumps(checkpoint.inspect(args.path), indent=2))
+            info = checkpoint.inspect(args.path)
+            print(json.dumps(info, indent=2) if args.json else "\n".join(summary_lines(info)))
         elif args.command == "verify":
             print(json.dumps({"ok": True, **checkpoint.verify(args.path)}))
         else:

@@ -41,7 +41,8 @@ def export_hf(path: str | os.PathLike, out_dir: str | os.PathLike, *, prefix: st
     """Write the tensors under ``prefix`` (stripped) as HF sharded safetensors plus index into ``out_dir``.
 
     ``config`` (an object with ``save_pretrained``, a dict, or a path to a ``config.json``) is written alongside.
-    ``dtype`` casts floating-point tensors. Runs in one process; returns the written file names.
+    ``dtype`` casts floating-point tensors. Runs in one process; returns the name of every file written (the
+    safetensors files, ``config.json`` when written, the index last).
     """
     from safetensors.torch import save_file
 
@@ -79,6 +80,7 @@ def export_hf(path: str | os.PathLike, out_dir: str | os.PathLike, *, prefix: st
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     if config is not None:
+        names.append("config.json")
         if hasattr(config, "save_pretrained"):
             config.save_pretrained(out_dir)
         else:

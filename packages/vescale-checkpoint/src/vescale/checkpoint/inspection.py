@@ -10,17 +10,51 @@ from vescale.checkpoint._reader import read_header, read_metadata, read_shard, s
 from vescale.checkpoint._storage import Storage
 from vescale.checkpoint.errors import CorruptCheckpointError
 
-__all__ = ["inspect", "verify"]
+__all__ = ["inspect", "verify", "summary_lines"]
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 problem"``, ``"2 problems"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def summary_lines(info: dict[str, Any]) -> list[str]:
+    """:func:`inspect`'s dict as a human summary: a header line, one aligned line per tensor (name, dtype, global
+    shape, shards, stored bytes), and the totals."""
+    tensors = info["tensors"]
+    head = (f"{info['format']} v{info['version']}, save {info['save_id']}, world size {info['world_size']}, "
+            f"{plural(info['files'], 'file')}, {_size(info['bytes'])}")
+    rows = [(k, v["dtype"], "[" + ", ".join(map(str, v["shape"])) + "]", plural(v["shards"], "shard"),
+             _size(v["bytes"]) + ("" if v["codecs"] == ["raw"] else f" ({'+'.join(v['codecs'])})"))
+            for k, v in tensors.items()]
+    widths = [max((len(r[i]) for r in rows), default=0) for i in range(4)]
+    lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+    shards = sum(v["shards"] for v in tensors.values())
+    values = f" ({', '.join(info['values'])})" if info["values"] else ""
+    lines.append(f"total: {plural(len(tensors), 'tensor')}, {plural(shards, 'shard')}, "
+                 f"{_size(sum(v['bytes'] for v in tensors.values()))} of tensor data; "
+                 f"{plural(len(info['values']), 'value')}{values}")
+    return lines
 
 
 def inspect(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Summary of a checkpoint: format version, world size, files, and per key its dtype, shape and shard count."""
+    """Summary of a checkpoint: format version, world size, files, and per key its dtype, global shape, shard count,
+    stored bytes (after the codec) and codecs."""
     meta = read_metadata(Storage(path, storage_options))
     return {
         "format": meta["format"], "version": meta["version"], "save_id": meta["save_id"],
         "world_size": meta["world_size"],
         "bytes": sum(f["size"] for f in meta["files"].values()), "files": len(meta["files"]),
         "tensors": {k: {"dtype": v["dtype"], "shape": v["shape"], "shards": len(v["shards"]),
+                        "bytes": sum(shard_nbytes(s) for s in v["shards"]),
                         "codecs": sorted({s["codec"] for s in v["shards"]})} for k, v in meta["tensors"].items()},
         "values": sorted(meta["values"]),
     }
@@ -74,7 +108,8 @@ def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         problems += sorted({p for p in pool.map(check, jobs) if p})
     if problems:
-        raise CorruptCheckpointError(f"checkpoint {storage.url} failed verification ({len(problems)} problems):\n  "
+        count = plural(len(problems), "problem")
+        raise CorruptCheckpointError(f"checkpoint {storage.url} failed verification ({count}):\n  "
                                      + "\n  ".join(problems))
     return {"files": len(meta["files"]), "tensors": len(meta["tensors"]),
             "bytes": sum(shard_nbytes(s) for _, _, s in jobs)}

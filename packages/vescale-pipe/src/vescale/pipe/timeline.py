@@ -35,8 +35,15 @@ __all__ = ["Timeline", "span", "active", "bubble", "COMPUTE_CATEGORIES"]
 COMPUTE_CATEGORIES = ("forward", "backward", "backward_input", "backward_weight")
 _LANES = {"forward": 0, "backward": 0, "backward_input": 0, "backward_weight": 0, "p2p": 1, "collective": 2,
           "optimizer": 3}
-_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "backward_input": "#55A868", "backward_weight": "#DD8452",
+# one distinct colour per legend entry (a Gantt chart whose entries share a colour cannot be read)
+_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "backward_input": "#64B5CD", "backward_weight": "#DD8452",
            "p2p": "#8C8C8C", "collective": "#C44E52", "optimizer": "#8172B3"}
+_OTHER_COLOR = "#937860"  # any other category: user spans (``span(..., cat="user")``)
+
+
+def _legend() -> dict[str, str]:
+    """The PNG legend, label -> colour: every category the chart colours, then the one colour of all others."""
+    return {**_COLORS, "other": _OTHER_COLOR}
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "broadcast", "barrier", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter")
 
@@ -225,6 +232,17 @@ def _gantt_png(trace: dict, path: str) -> None:
         print(f"vescale.pipe.timeline: matplotlib is not installed; skipped the Gantt chart {path} "
               "(the JSON trace was written)")
         return
+    fig = _gantt_figure(trace)
+    # bbox_inches="tight" grows the canvas to hold the legend outside the axes
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _gantt_figure(trace: dict):
+    """The Gantt chart of ``trace`` (a matplotlib figure): a row per rank, a lane per kind of span, the legend to the
+    right of the axes, clear of the ``ms`` label below them."""
+    import matplotlib.pyplot as plt
+
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     ranks = sorted(names)
@@ -232,16 +250,16 @@ def _gantt_png(trace: dict, path: str) -> None:
     for e in spans:
         y = ranks.index(e["pid"]) + 0.25 * _LANES.get(e["cat"], 4) / 4
         ax.barh(y, e["dur"] / 1e3, left=e["ts"] / 1e3, height=0.2 if e["cat"] in COMPUTE_CATEGORIES else 0.1,
-                color=_COLORS.get(e["cat"], "#937860"))
+                color=_COLORS.get(e["cat"], _OTHER_COLOR))
     ax.set_yticks(range(len(ranks)), [names[r] for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    ax.legend(handles, list(_COLORS), loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=7, ncol=len(_COLORS),
-              frameon=False)
+    legend = _legend()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in legend.values()]
+    ax.legend(handles, list(legend), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
+              borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def bubble(trace: dict, *, name_filter: str | None = None) -> dict[str, float]:
