@@ -8,8 +8,13 @@ import pytest
 
 
 def test_op_states_keys():
-    from vescale.parallel import context_parallel, experts
+    import importlib
+
     from vescale.parallel.collectives import OP_STATES, OpStates, op_state, register_op_state
+
+    # (the package exports functions of these modules' names: the modules themselves by import_module)
+    context_parallel = importlib.import_module("vescale.parallel.context_parallel")
+    experts = importlib.import_module("vescale.parallel.experts")
 
     assert experts._OP_SETUPS is OP_STATES  # experts_as_operator's `key = len(..); table[key] = setup` registers here
     table = OpStates()

@@ -211,7 +211,7 @@ _INDEX_FUNCTIONS = frozenset({torch.Tensor.__getitem__})
 
 # -- token ids outside the vocabulary ------------------------------------------------------------------------------
 
-_names: dict[int, tuple[weakref.ref, str]] = {}  # id(weight) -> (the weight, the FQN an error names it by)
+_names: dict[int, tuple[tuple[int, ...], str]] = {}  # id(weight) -> (its shape, the FQN an error names it by)
 
 
 def name_embeddings(module: torch.nn.Module, prefix: str = "") -> None:
@@ -221,13 +221,16 @@ def name_embeddings(module: torch.nn.Module, prefix: str = "") -> None:
     found.update({id(m.weight): (m.weight, f"{prefix}{fqn}") for fqn, m in module.named_modules()
                   if isinstance(m, torch.nn.Embedding) and isinstance(m.weight, torch.Tensor)})
     for key, (p, fqn) in found.items():
-        _names[key] = (weakref.ref(p, lambda _, key=key: _names.pop(key, None)), fqn)
+        # by id, holding neither the tensor nor a weak reference to it: a tensor with a weakref cannot be swapped by
+        # ``module.to()`` (torch.utils.swap_tensors refuses it). A freed tensor's id reused by another only changes
+        # the name an error message prints, which embedding_name checks by shape.
+        _names[key] = (tuple(p.shape), fqn)
 
 
 def embedding_name(weight: torch.Tensor) -> str:
     """How a :class:`~vescale.parallel.errors.TokenIdError` names the embedding of ``weight``."""
     entry = _names.get(id(weight))
-    if entry is not None and entry[0]() is weight:
+    if entry is not None and entry[0] == tuple(weight.shape):
         return repr(entry[1])
     return f"of weight {list(weight.shape)} (not a parameter parallelize_module saw)"
 
