@@ -145,7 +145,8 @@ def test_cost_model_prefers_tp_and_zero_when_memory_is_tight():
     assert loose.chosen.step_s <= tight.chosen.step_s
     shapes = {(c.pp, c.dp, c.tp, c.zero_stage) for c in loose.candidates if c.cp == 1}
     assert (1, 8, 1, 0) in shapes and (1, 1, 8, 0) in shapes and (2, 2, 2, 0) in shapes
-    assert all(z == 0 for pp, dp, _, z in shapes if pp > 1 or dp == 1)  # ZeRO only where it is applied: pp == 1
+    assert all(z == 0 for pp, dp, _, z in shapes if dp == 1)  # ZeRO only where there are data ranks to shard over
+    assert (2, 2, 2, 1) in shapes and (2, 2, 2, 3) not in shapes  # with pp: ZeRO 1/2 per stage, no ZeRO 3 priced
     assert all(c.pp == 1 and c.zero_stage < 3 for c in loose.candidates if c.cp > 1)  # cp: no pp, no ZeRO-3
     only2 = choose_parallelism(model, 8, batch_size=8, seq_len=2048, trace=trace, zero_stages=(2,), fixed={"pp": 1})
     assert {(c.dp * c.cp > 1, c.zero_stage) for c in only2.candidates} == {(True, 2), (False, 0)}

@@ -98,7 +98,8 @@ def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: f
       ``2 cp``; ZeRO 0/1/2 over the dp x cp ranks;
     * ``ep > 1`` only for a model with experts (found by structure, :func:`vescale.parallel.find_experts`), ``ep``
       dividing their number, ``pp == tp == cp == 1``, ZeRO 0 (the dense gradients are reduced by DTensor over dp x ep);
-    * ZeRO 1/2 where the dp (x cp) ranks are more than one and ``pp == 1``; ZeRO 3 (FSDP2 per block) where ``dp > 1``,
+    * ZeRO 1/2 where the dp (x cp) ranks are more than one (with ``pp > 1`` per stage); ZeRO 3 (FSDP2 per block) where
+      ``dp > 1``,
       ``pp == 1`` and ``cp == ep == 1``; every other candidate is ZeRO 0.
 
     Pure: no collectives, no weights. ``report.shape`` is the model shape the memory terms used and
@@ -175,7 +176,7 @@ def _pp_cp_ep(rest: int, shape: ModelShape, layers: int, seq_len: int, max_cp: i
 
 def _zero_stages(stages: tuple[int, ...], *, pp: int, dp: int, cp: int, ep: int) -> list[int]:
     allowed = {0}
-    if pp == 1 and ep == 1 and dp * cp > 1:
+    if ep == 1 and dp * cp > 1:  # (with pp: each stage's DDP and DistributedOptimizer, as vescale.plan.build does)
         allowed |= {1, 2}
     if pp == 1 and ep == 1 and cp == 1 and dp > 1:
         allowed.add(3)
