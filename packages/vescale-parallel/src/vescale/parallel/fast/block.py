@@ -2,7 +2,8 @@
 
 A block is recognised by structure (:func:`block_layout`): a transformers module (see :mod:`.structure`) whose
 children are ``nn.Linear`` projections, all but one column-parallel (``Shard(0)`` on one mesh dim ``k``), one
-row-parallel (``Shard(1)`` on ``k``, no bias), plus at most one stateless activation. Three column-parallel
+row-parallel (``Shard(1)`` on ``k``, no bias), plus at most one stateless activation, and whose ``forward`` reads no
+head count or width. Three column-parallel
 projections and the attention interface's attributes (``config`` with ``_attn_implementation``,
 ``num_attention_heads``, ``num_key_value_heads``; ``head_dim``, ``attention_dropout``) make an attention block, which
 returns ``(output, weights)``; two make a gated MLP, which returns its output. Either then computes on this rank's
@@ -33,7 +34,15 @@ from vescale.parallel.fast.boundary import (
 )
 from vescale.parallel.fast.cache import set_cache_mode, wrap_caches
 from vescale.parallel.fast.context import FastPathContext, fast_path_enabled
-from vescale.parallel.fast.structure import from_transformers, input_name, is_activation, only_shard_on
+from vescale.parallel.fast.structure import (
+    dropout_active,
+    dropout_fields,
+    from_transformers,
+    input_name,
+    is_activation,
+    only_shard_on,
+    shapes_from_input,
+)
 
 __all__ = ["BlockLayout", "block_layout", "install_block", "FastBlock"]
 
@@ -55,7 +64,7 @@ class BlockLayout:
 def block_layout(module: nn.Module, mesh) -> BlockLayout | None:
     """The block structure of ``module`` with its parameters as distributed on ``mesh`` (see the module docstring),
     or None."""
-    if not from_transformers(module):
+    if not from_transformers(module) or not shapes_from_input(module):
         return None
     children = dict(module.named_children())
     linears = {n: c for n, c in children.items() if type(c) is nn.Linear}
@@ -135,7 +144,8 @@ class FastBlock:
     fast path on (:func:`~vescale.parallel.fast.fast_path`), not strict mode (its checks see every DTensor op), no
     active attention dropout, an attention implementation among :data:`ATTENTION_IMPLEMENTATIONS`, the input so
     placed, every other DTensor argument on the plan's mesh placed like it, no argument but the input requiring grad,
-    a KV cache (if any) with an ``update`` method, the parameters still those checked at installation.
+    a KV cache (if any) with an ``update`` method, the parameters still those checked at installation, no other
+    dropout of the module or its config active (:func:`~vescale.parallel.fast.structure.dropout_active`).
 
     On the fast path the arguments and the block's parameters become their local tensors (``to_local``,
     differentiable: the input's gradient is ``Partial`` on ``k``, a parameter's is partial on the dims where the input
@@ -151,6 +161,7 @@ class FastBlock:
         self.module, self.orig, self.mesh, self.k, self.kind = module, orig, mesh, layout.k, layout.kind
         self.input_name, self.params, self.finish, self.context = layout.input, params, finish, context
         self.row_placements = row_placements
+        self.dropouts = dropout_fields(module, getattr(module, "config", None))
         self.local_calls = 0  # how many calls took the fast path (for tests and benchmarks)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -176,8 +187,10 @@ class FastBlock:
                 and batch_or_replicated(tuple(x.placements), self.k) and arguments_apply(args, kwargs, x, self.mesh))
 
     def module_applies(self) -> bool:
-        """The module's own runtime conditions: attention without active dropout, with a supported implementation."""
+        """The module's own runtime conditions: no active dropout; attention with a supported implementation."""
         m = self.module
+        if dropout_active(m, self.dropouts):
+            return False
         if self.kind == "attention":
             if m.training and m.attention_dropout:
                 return False

@@ -28,7 +28,13 @@ from vescale.parallel.fast.boundary import (
 )
 from vescale.parallel.fast.cache import set_cache_mode, wrap_caches
 from vescale.parallel.fast.context import FastPathContext, fast_path_enabled
-from vescale.parallel.fast.structure import from_transformers, input_name, replicated_weight_norm
+from vescale.parallel.fast.structure import (
+    dropout_active,
+    dropout_fields,
+    from_transformers,
+    input_name,
+    replicated_weight_norm,
+)
 
 __all__ = ["install_layer", "FastLayer"]
 
@@ -74,7 +80,8 @@ class FastLayer:
     DTensor.
 
     Per call it checks what both blocks check (see :class:`FastBlock`) plus that the input is placed as both blocks'
-    outputs are; otherwise the layer's own ``forward`` runs, and its blocks decide for themselves.
+    outputs are and that no dropout of the layer or its config is active; otherwise the layer's own ``forward`` runs,
+    and its blocks decide for themselves.
 
     Forward values are bitwise those of the DTensor path (the same local kernels and the same all-reduces). Backward
     reduces a block's input gradient on entry, before the norm's backward, as Megatron does; the DTensor path may carry
@@ -85,6 +92,7 @@ class FastLayer:
                  context: FastPathContext) -> None:
         self.module, self.orig, self.mesh, self.k, self.blocks, self.norms = module, orig, mesh, k, blocks, norms
         self.input_name, self.context = input_name, context
+        self.dropouts = dropout_fields(module, getattr(module, "config", None))
         self.local_calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -105,7 +113,8 @@ class FastLayer:
     def _applies(self, args: tuple, kwargs: dict) -> bool:
         from vescale.dtensor.strict import is_strict
 
-        if not fast_path_enabled() or is_strict() or not all(b.module_applies() for b in self.blocks):
+        if not fast_path_enabled() or is_strict() or dropout_active(self.module, self.dropouts) \
+                or not all(b.module_applies() for b in self.blocks):
             return False
         x = self._input(args, kwargs)
         if not isinstance(x, DTensor) or x.device_mesh != self.mesh:

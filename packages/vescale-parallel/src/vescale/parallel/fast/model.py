@@ -27,7 +27,7 @@ from vescale.parallel.fast.boundary import CACHE_KEYS, FromLocal, heads, local_p
 from vescale.parallel.fast.cache import CacheOfDTensors
 from vescale.parallel.fast.context import FastPathContext, fast_path_enabled
 from vescale.parallel.fast.layer import FastLayer
-from vescale.parallel.fast.structure import from_transformers, replicated_weight_norm
+from vescale.parallel.fast.structure import dropout_active, dropout_fields, from_transformers, replicated_weight_norm
 from vescale.parallel.local import is_local
 from vescale.parallel.model_calls import check_token_ids, embedding_name
 from vescale.parallel.vocab_embedding import lookup_rows
@@ -172,7 +172,8 @@ class FastModel:
     embedding's input, norm, rotary embedding or layer list, and no parameter is tied. Per call it checks what every
     layer checks, plus: keyword arguments with ``input_ids`` a DTensor placed ``P`` (not ``inputs_embeds``), no
     ``labels`` (the loss wants the full vocabulary), no attentions or hidden states asked for, an integer
-    ``logits_to_keep``, every other tensor argument a DTensor placed ``P`` without gradient, every layer still its
+    ``logits_to_keep``, every other tensor argument a DTensor placed ``P`` without gradient, no dropout of the model,
+    its decoder or their configs active, every layer still its
     :class:`FastLayer` (not checkpointed, not compiled); otherwise the model's own ``forward`` runs and its layers
     decide for themselves.
 
@@ -192,6 +193,9 @@ class FastModel:
         self.__signature__ = inspect.signature(orig)
         embed = getattr(self._decoder(), self.embed_name)
         self.offset = mesh.get_local_rank(k) * (embed.weight.shape[0] // mesh.size(k))
+        decoder = self._decoder()
+        self.dropouts = dropout_fields(module, getattr(module, "config", None), decoder,
+                                       getattr(decoder, "config", None))
         self.local_calls = 0
 
     def _decoder(self) -> nn.Module:
@@ -208,7 +212,7 @@ class FastModel:
     def _applies(self, args: tuple, kwargs: dict) -> bool:
         from vescale.dtensor.strict import is_strict
 
-        if args or not fast_path_enabled() or is_strict():
+        if args or not fast_path_enabled() or is_strict() or dropout_active(self.module, self.dropouts):
             return False
         m, decoder = self.module, self._decoder()
         for layer, fast in self.layers:

@@ -4,17 +4,26 @@ Contract: each predicate is static (no collective, no forward run) and conservat
 compute what it computes on DTensors; what makes that hold for a transformers module is the library's own layout
 conventions (shapes from the input, ``view(*input_shape, -1, head_dim)``; per-head attention through its attention
 interface; elementwise activations), so a recognised module's class is one transformers defines
-(:func:`from_transformers`: a subclass defined elsewhere may compute anything) whose ``forward`` is not replaced.
+(:func:`from_transformers`: a subclass defined elsewhere may compute anything) whose ``forward`` is not replaced, a
+block's ``forward`` reads no head or width count (:func:`shapes_from_input`), and a random op (dropout) is never run
+locally (:func:`dropout_fields`: a nonzero one in training sends the call to the DTensor path).
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["from_transformers", "input_name", "only_shard_on", "is_activation", "replicated_weight_norm"]
+__all__ = ["from_transformers", "input_name", "only_shard_on", "is_activation", "replicated_weight_norm",
+           "shapes_from_input", "dropout_fields", "dropout_active"]
+
+# attribute names of a head count or a model width: a forward reading one may shape by global sizes, which local
+# tensors (this rank's heads or columns) do not have
+_GLOBAL_SIZES = frozenset({"num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head",
+                           "n_heads", "hidden_size", "intermediate_size", "embed_dim", "all_head_size"})
 
 # torch's dropout modules (all the public subclasses of its private _DropoutNd): random, so never run locally
 _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -62,3 +71,43 @@ def replicated_weight_norm(module: nn.Module, mesh) -> bool:
         return False
     w = module.weight
     return isinstance(w, DTensor) and w.device_mesh == mesh and all(type(p) is Replicate for p in w.placements)
+
+
+def shapes_from_input(module: nn.Module) -> bool:
+    """Whether ``type(module).forward``, and every method of its class it (transitively) refers to, reads no head
+    count or width (see ``_GLOBAL_SIZES``): its shapes then come from its input."""
+    cls, seen = type(module), set()
+    todo = [inspect.unwrap(cls.forward)]
+    while todo:
+        f = todo.pop()
+        code = f if inspect.iscode(f) else getattr(f, "__code__", None)
+        if code is None:
+            return False
+        if code in seen:
+            continue
+        seen.add(code)
+        if _GLOBAL_SIZES & set(code.co_names):
+            return False
+        todo += [c for c in code.co_consts if inspect.iscode(c)]  # nested functions and comprehensions
+        methods = (inspect.unwrap(m) for m in (getattr(cls, n, None) for n in code.co_names) if callable(m))
+        todo += [m for m in methods if inspect.isfunction(m) and m.__module__.startswith("transformers.")]
+    return True
+
+
+def dropout_fields(*owners: Any) -> tuple[tuple[Any, str], ...]:
+    """``(owner, name)`` of every number attribute of ``owners`` (a module, its ``config``) whose name says dropout
+    (``*dropout*``, ``*pdrop*``), except ``attention_dropout`` (the attention interface's: attention blocks check it
+    themselves). Read per call in training by :func:`dropout_active`."""
+    found = []
+    for owner in owners:
+        for name, value in (vars(owner).items() if owner is not None else ()):
+            if ("dropout" in name or "pdrop" in name) and name != "attention_dropout" \
+                    and isinstance(value, (int, float)) and not isinstance(value, bool):
+                found.append((owner, name))
+    return tuple(found)
+
+
+def dropout_active(module: nn.Module, fields: tuple[tuple[Any, str], ...]) -> bool:
+    """Whether ``module`` trains with a nonzero dropout of ``fields`` (its random masks are drawn on the DTensor
+    path, as on one device)."""
+    return module.training and any(getattr(owner, name) for owner, name in fields)
