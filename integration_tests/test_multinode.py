@@ -264,9 +264,8 @@ def test_two_node_resume_on_another_mesh_continues_the_curve(launches):
 def _gather_repeatedly(times: int) -> tuple[int, list[list[float]]]:
     """On each rank: call ``report.gather_per_rank`` ``times`` times; count the calls after which a tensor of its
     collective was still alive (held by gloo's worker thread), seen through the weak references it waits on."""
-    import torch.distributed as dist
-
     import report
+    import torch.distributed as dist
 
     seen: list = []
     unwrapped = report._all_gather_rows

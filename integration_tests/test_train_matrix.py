@@ -608,7 +608,8 @@ def test_expert_parallel_bf16_matches_single_device_bf16(tmp_path, ranks):
     assert sorted(layer for micro, layer in want if micro == 0) == [0, 1, 2, 3]  # the model's 4 MoE layers
     kw = {"grad_accum": 2, "activation_checkpointing": "full"}
     what = f"dp=2,ep=2 bf16 {kw}"
-    got = ranks(_train_recording_routing, 4, _cfg("dp=2,ep=2", tmp_path, model="mixtral", dtype="bf16", seed=BF16_EP_SEED,
+    got = ranks(_train_recording_routing, 4, _cfg("dp=2,ep=2", tmp_path, model="mixtral", dtype="bf16",
+                                                  seed=BF16_EP_SEED,
                                                   grad_dump=str(tmp_path / "grads.safetensors"), **kw))
     for rank, (rows, seen) in enumerate(got):
         for (micro, layer), index in seen.items():

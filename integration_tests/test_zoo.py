@@ -1,7 +1,7 @@
 """The zoo sweep (``vescale.plan.zoo``, ``tools/zoo.py``) in CI: unmodified Hugging Face causal LMs, planned by
-``auto_plan`` (its defaults, and with ``sequence_parallel=True``) (and, where the model has one, its own transformers TP plan translated by
-``vescale.plan.from_transformers_tp_plan``) and called the default way (``use_cache`` as configured, ``labels=``), against one device on tp=2 and
-dp=2 x tp=2.
+``auto_plan`` (its defaults, and with ``sequence_parallel=True``; and, where the model has one, its own transformers TP
+plan translated by ``vescale.plan.from_transformers_tp_plan``) and called the default way (``use_cache`` as
+configured, ``labels=``), against one device on tp=2 and dp=2 x tp=2.
 
 The whole sweep (every decoder-only architecture of the installed transformers, both meshes) takes far longer than
 CI's budget on 2 cores, so CI runs a fixed sample: the architectures of the regressions this sweep was built for

@@ -105,7 +105,7 @@ def test_accumulated_gradient_equals_one_device_full_batch(world_size, zero_stag
     assert set(by_param) == set(want)
     if zero_stage == 2:
         # Each rank holds the reduced gradient of its own slice only: check the slices its optimizer will update.
-        for p, piece in opt.pieces.items():
+        for piece in opt.pieces.values():
             if piece.hi > piece.lo:
                 _assert_close(piece.grad, want[piece.fqn].flatten()[piece.lo:piece.hi], f"{what}: {piece.fqn} slice")
     else:

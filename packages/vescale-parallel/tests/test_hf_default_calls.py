@@ -107,7 +107,7 @@ def test_default_calls_match_single_device(world_size):
                 out = par(input_ids=step_ids[mine], attention_mask=step_mask[mine], past_key_values=cache)
                 ref_out = ref(input_ids=step_ids, attention_mask=step_mask, past_key_values=ref_cache)
                 torch.testing.assert_close(out.logits, ref_out.logits[mine], rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, c=type(cache).__name__, s=step: f"{c} step {s}: {m}")
+                                           msg=lambda m, c=type(cache).__name__, s=step: f"{c} step {s}: {m}")  # noqa: B008
                 cache, ref_cache = out.past_key_values, ref_out.past_key_values
                 step_ids = ref_out.logits[:, -1:].argmax(-1)
                 step_mask = torch.cat([step_mask, torch.ones_like(step_ids)], dim=1)

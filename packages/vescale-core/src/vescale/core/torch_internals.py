@@ -68,6 +68,7 @@ __all__ = [
     "dtensor_custom_op_handlers",
     "sharding_propagator",
     "clear_sharding_caches",
+    "traceable_all_reduce",
     "op_schema",
     "storage_id",
     "tensor_version",
@@ -244,6 +245,18 @@ def dtensor_custom_op_handlers() -> dict:
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher._custom_op_handlers
+
+
+def traceable_all_reduce(tensor: Any, op: str, group: Any) -> Any:
+    """``tensor`` all-reduced with ``op`` (``"sum"``, ``"max"``, ...) over ``group`` (a ``(mesh, dim)`` pair or a
+    process group), as an op dynamo traces into a graph (a functional collective: returns a new tensor).
+
+    Why: ``torch.distributed.all_reduce`` mutates in place and breaks a ``fullgraph`` capture; the functional form
+    lives in the private ``torch.distributed._functional_collectives``.
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(tensor, op, group)
 
 
 def clear_sharding_caches() -> None:

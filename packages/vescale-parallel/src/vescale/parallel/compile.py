@@ -197,7 +197,7 @@ def _checked_ids(ids: torch.Tensor, mesh, placements: list, vocab_size: int, nam
     id are reduced (functional all-reduce MAX) over the mesh dims where the ids are sharded, and an opaque operator
     (``vescale::checked_token_ids``, which the graph keeps because the lookup reads its output) raises
     :class:`~vescale.parallel.errors.TokenIdError` on every rank alike when one is outside the vocabulary."""
-    from torch.distributed import _functional_collectives as funcol
+    from vescale.core.torch_internals import traceable_all_reduce
 
     if ids.numel() == 0:
         stats = ids.new_full((2,), -(2 ** 62), dtype=torch.int64)  # (a Tensor method: factory capture skips it)
@@ -206,7 +206,7 @@ def _checked_ids(ids: torch.Tensor, mesh, placements: list, vocab_size: int, nam
         stats = torch.stack([-lo.clamp(min=-(2 ** 62)), hi])
     for i, p in enumerate(placements):
         if not p.is_replicate():
-            stats = funcol.all_reduce(stats, "max", (mesh, i))
+            stats = traceable_all_reduce(stats, "max", (mesh, i))
     return torch.ops.vescale.checked_token_ids(ids, stats, vocab_size, name)
 
 

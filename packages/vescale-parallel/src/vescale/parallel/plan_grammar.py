@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from torch.distributed.tensor.placement_types import Placement
 
@@ -57,7 +57,7 @@ SECTIONS = ("parameter", "input", "output", "local")
 BOUNDARY_SECTIONS = ("input", "output", "local")
 
 #: A checked boundary entry: one placements tuple (or ``None``) per position, or per keyword.
-Arguments = Union[list, dict]
+Arguments = list | dict
 
 
 @dataclass

@@ -76,8 +76,10 @@ def zoo_architectures() -> tuple[list[tuple[str, str]], list[tuple[str, str, str
     """``(decoder_only, excluded)``: ``[(arch, model class name)]`` and ``[(arch, class name, why excluded)]``, from
     transformers' causal-LM auto mapping, sorted by arch."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     keep, excluded = [], []
     for arch, cls_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
@@ -290,8 +292,9 @@ def has_transformers_tp_plan(arch: str) -> bool:
 def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = None, *,
             plans: tuple[str, ...] = ("auto_plan",), timeout: float = 300) -> list[ZooResult]:
     """Sweep ``archs`` (default: every decoder-only architecture) on pooled CPU ranks of ``mesh_dims``, with each
-    plan source of ``plans`` (``"auto_plan"``, ``"auto_plan+sp"``; ``"transformers"``: the model's own TP plan, where it
-    has one; see the module docstring), one call per case: a rank that dies or hangs (``timeout`` seconds) costs that case an ``error``, and the pool is
+    plan source of ``plans`` (``"auto_plan"``, ``"auto_plan+sp"``; ``"transformers"``: the model's own TP plan, where
+    it has one; see the module docstring), one call per case: a rank that dies or hangs (``timeout`` seconds) costs
+    that case an ``error``, and the pool is
     rebuilt for the next one."""
     import math
 
