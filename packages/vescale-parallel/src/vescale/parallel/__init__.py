@@ -44,6 +44,7 @@ from vescale.parallel.experts import (  # expert parallelism
 )
 from vescale.parallel.kv_replicas import replicate_kv_heads  # part 1: TP/SP (GQA, kv heads < tp)
 from vescale.parallel.loss import loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
+from vescale.parallel.muon import DistributedMatrixOptimizer, MatrixOptimizer, hidden_matrices, matrix_owners
 from vescale.parallel.optimizer import DistributedOptimizer  # part 2: DP/ZeRO
 from vescale.parallel.parallelize import parallelize_module, plan_report  # part 1: TP/SP
 from vescale.parallel.plan_grammar import Plan, check_plan  # part 1: TP/SP
@@ -66,6 +67,7 @@ __all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpoi
 __all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "experts_as_operator",
             "keep_local_experts", "ExpertParallelError"]  # expert parallelism
 __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism
+__all__ += ["MatrixOptimizer", "DistributedMatrixOptimizer", "matrix_owners", "hidden_matrices"]  # Muon (ZeRO, TP)
 
 
 def __getattr__(name: str):

@@ -222,9 +222,13 @@ class DistributedOptimizer:
         if self.clip_grad is not None:
             self.grad_norm = clip_grad_norm_([pc.master for pc in self.pieces.values()], self.clip_grad,
                                              pp_group=self.pp_group)
-        self.optimizer.step()
+        self._update()
         self._gather_params()
         return loss
+
+    def _update(self) -> None:
+        """Update this rank's pieces (a subclass adds its own updates of pieces before they are gathered)."""
+        self.optimizer.step()
 
     def _gather_params(self) -> None:
         # At most two buckets in flight: bucket i's all-gather runs while bucket i-1 is copied into the parameters,

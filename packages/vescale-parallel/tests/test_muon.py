@@ -1,0 +1,164 @@
+"""Muon under ZeRO 1/2/3 and TP (vescale.parallel.muon) against one device's torch.optim.Muon + AdamW.
+
+Each dp rank's gradient of every parameter is a rank- and step-dependent constant ``C`` (the loss is
+``sum(p * C)``) whose entries are multiples of 1/8 in [-2, 2]: the dp average of such gradients is exact in fp32 in
+any summation order, so the parallel gradient is bitwise the single-device one (the mean of the ranks' ``C``). The
+owner then runs torch's own Muon on that same whole matrix, so every parameter must be *bitwise* equal to the
+single-device run after two steps, Newton-Schulz (bf16) included; AdamW runs elementwise on flat pieces with the same
+ops, so it is bitwise too. Matrices: five of different shapes (uneven over dp=4), plus vectors for AdamW.
+"""
+
+from __future__ import annotations
+
+from vescale.core.testing import multi_rank
+
+MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
+ADAMW = {"lr": 0.01, "weight_decay": 0.1}
+SHAPES = {"a": (24, 16), "b": (8, 24), "c": (32, 8), "d": (16, 32), "e": (16, 16)}
+TP_PLACEMENT = {"a": 0, "b": 1, "c": 0, "d": 1}  # e stays whole on every tp rank (plain)
+
+
+def _net():
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, (m, n) in SHAPES.items():
+                setattr(self, name, nn.Linear(n, m, bias=name == "b"))
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, consts: dict):
+            from torch.distributed.tensor import DTensor
+
+            total = 0.0
+            for name, p in self.named_parameters():
+                term = (p * consts[name]).sum()
+                total = total + (term.full_tensor() if isinstance(term, DTensor) else term)
+            return total
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _consts(net, step: int, rank: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {name: torch.randint(-16, 17, tuple(p.shape), generator=g).float() / 8
+            for name, p in net.named_parameters()}
+
+
+def _reference(dp: int, steps: int = 2) -> dict:
+    """One device: torch Muon on the five matrices, AdamW on the rest, gradients the mean of the dp ranks'."""
+    import torch
+
+    net = _net()
+    mats = [getattr(net, n).weight for n in SHAPES]
+    rest = [p for p in net.parameters() if all(p is not m for m in mats)]
+    muon, adamw = torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)
+    for step in range(steps):
+        consts = [_consts(net, step, r) for r in range(dp)]
+        for name, p in net.named_parameters():
+            p.grad = sum(c[name] for c in consts) / dp
+        muon.step()
+        adamw.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def _run(mesh, zero: int, tp: int) -> None:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from vescale.core.mesh import mesh_coordinates
+    from vescale.parallel import (
+        DDPOptions,
+        DistributedDataParallel,
+        DistributedMatrixOptimizer,
+        MatrixOptimizer,
+        fully_shard_dp,
+    )
+
+    dp = mesh.size(mesh.mesh_dim_names.index("dp"))
+    dp_rank = mesh_coordinates(mesh)["dp"]
+    net = _net()
+    tp_mesh = mesh["tp"] if tp > 1 else None
+    if tp_mesh is not None:
+        for name, dim in TP_PLACEMENT.items():
+            lin = getattr(net, name)
+            lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp_mesh, [Shard(dim)]))
+    what = f"dp{dp} x tp{tp} zero{zero}"
+    if zero == 3:
+        model = fully_shard_dp(net, mesh, blocks=None)
+        inner = net
+    else:
+        model = DistributedDataParallel(net, mesh["dp"] if tp > 1 else mesh,
+                                        DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
+        inner = model.module
+    mats = [getattr(inner, n).weight for n in SHAPES]
+    rest = [p for p in inner.parameters() if all(p is not m for m in mats)]
+    muon, adamw = torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)
+    if zero == 3:
+        opt = MatrixOptimizer(inner, muon, adamw)
+    else:
+        opt = DistributedMatrixOptimizer(model, muon, adamw, zero_stage=zero)
+    for step in range(2):
+        consts = _consts(_net(), step, dp_rank)
+        if tp_mesh is not None and zero != 3:
+            consts = {n: distribute_tensor(c, tp_mesh, getattr(inner, n.split(".")[0]).weight.placements)
+                      if n.endswith("weight") and n.split(".")[0] in TP_PLACEMENT else c for n, c in consts.items()}
+        if tp_mesh is not None and zero == 3:
+            consts = {n: distribute_tensor(c, tp_mesh, [Shard(TP_PLACEMENT[n.split(".")[0]])])
+                      if n.endswith("weight") and n.split(".")[0] in TP_PLACEMENT else c for n, c in consts.items()}
+        opt.zero_grad()
+        model(consts).backward()
+        opt.step()
+    want = _reference(dp)
+    for name, p in inner.named_parameters():
+        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        assert torch.equal(got, want[name]), f"{what} {name}: max diff {(got - want[name]).abs().max()}"
+    # each matrix's momentum lives on one rank (a row of ranks for the tp-replicated e), as a whole matrix
+    owned = [m.fqn for m in opt.matrix.matrices if opt.matrix.owns(m)]
+    for fqn in owned:
+        buf = opt.matrix.optimizer.state[next(m.work for m in opt.matrix.matrices if m.fqn == fqn)]["momentum_buffer"]
+        assert tuple(buf.shape) == SHAPES[fqn.split(".")[0]], (what, fqn, buf.shape)
+    held = torch.tensor([float(opt.matrix.state_bytes())])
+    torch.distributed.all_reduce(held)
+    total = sum(m * n for m, n in SHAPES.values()) * 4
+    replicated = SHAPES["e"][0] * SHAPES["e"][1] * 4 * (tp - 1) if tp > 1 else 0
+    assert held.item() == (total + replicated) * (mesh.size() // (dp * tp)), (what, held.item())
+
+
+@multi_rank(world_sizes=[2])
+def test_muon_dp2_zero123_bitwise():
+    """dp=2, ZeRO 1, 2 and 3: every parameter bitwise one device's after two steps."""
+    from vescale.core.mesh import init_mesh
+
+    mesh = init_mesh({"dp": 2})
+    for zero in (1, 2, 3):
+        _run(mesh, zero, 1)
+
+
+@multi_rank(world_sizes=[4])
+def test_muon_dp4_and_dp2_tp2_bitwise():
+    """dp=4 (five matrices over four owners), ZeRO 2 and 3; dp=2 x tp=2 (Shard(0)/Shard(1) matrices gathered to
+    their owner only, a plain one owned by a dp row), ZeRO 1, 2 and 3."""
+    from vescale.core.mesh import init_mesh
+
+    mesh = init_mesh({"dp": 4})
+    for zero in (2, 3):
+        _run(mesh, zero, 1)
+    mesh = init_mesh({"dp": 2, "tp": 2})
+    for zero in (1, 2, 3):
+        _run(mesh, zero, 2)
+
+
+def test_owners_balance_cost():
+    from vescale.parallel import matrix_owners
+
+    owners = matrix_owners([(64, 64), (64, 64), (8, 8), (8, 8), (8, 8)], 2)
+    assert owners == [(0, 0), (1, 0), (0, 0), (1, 0), (0, 0)]
+    owners = matrix_owners([(8, 8), (64, 64)], 4, columns=2, replicated=[True, False])
+    assert owners == [(1, None), (0, 0)]
