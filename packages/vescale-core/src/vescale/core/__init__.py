@@ -7,6 +7,8 @@
 - :mod:`vescale.core.blocks`: a model's repeated blocks (``find_blocks``), for compile, ZeRO 3 and pipeline splits.
 - :mod:`vescale.core.comm`: the one collective counter (``count_comms``: calls and bytes per collective, per mesh dim).
 - :mod:`vescale.core.watchdog`: collective timeouts that name the missing rank (``watch_collectives``).
+- :mod:`vescale.core.preemption`: a preemption signal on any rank stops every rank at the same step
+  (``PreemptionGuard``, ``should_stop()``: one tiny all-reduce).
 - :mod:`vescale.core.fqn`: the one matcher of plan patterns against FQNs (``match_plan``).
 - :mod:`vescale.core.sharded_state`: the protocol through which sharded state (ZeRO's optimizer, ragged DTensors, a
   user's object) is saved and loaded (``ShardedTensor``, ``ShardedStateful``, ``BoxPlacement``).
@@ -30,6 +32,7 @@ from vescale.core.mesh import (
     parse_mesh_spec,
     sub_mesh,
 )
+from vescale.core.preemption import PreemptionGuard
 
 __all__ = [
     "VescaleError",
@@ -51,4 +54,5 @@ __all__ = [
     "dim_group",
     "MeshRole",
     "MeshRoles",
+    "PreemptionGuard",
 ]

@@ -51,6 +51,7 @@ from vescale.parallel.plan_grammar import Plan, check_plan  # part 1: TP/SP
 from vescale.parallel.plans import PLANS, gpt2_plan, gpt_plan, llama_plan, mixtral_plan, qwen2_plan  # part 1: TP/SP
 from vescale.parallel.report import PlanEntry, PlanReport  # part 1: TP/SP
 from vescale.parallel.stage import parallelize_stage  # pipeline stages (vescale-plan)
+from vescale.parallel.step_guard import NonFiniteStepError, StepGuard, skip_nonfinite_steps  # bad steps
 from vescale.parallel.zero3 import fully_shard_dp, fully_shard_stage  # part 2: DP/ZeRO
 
 __all__: list[str] = []
@@ -67,6 +68,7 @@ __all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpoi
 __all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "experts_as_operator",
             "keep_local_experts", "ExpertParallelError"]  # expert parallelism
 __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism
+__all__ += ["StepGuard", "skip_nonfinite_steps", "NonFiniteStepError"]  # bad steps skipped on every rank
 __all__ += ["MatrixOptimizer", "DistributedMatrixOptimizer", "matrix_owners", "hidden_matrices"]  # Muon (ZeRO, TP)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from vescale.core.errors import VescaleError
 
 __all__ = ["DDPError", "ZeroError", "Zero3Error", "LossParallelError", "CompileError", "ActivationCheckpointError",
-           "DataDependentError", "TokenIdError"]
+           "DataDependentError", "TokenIdError", "NonFiniteStepError"]
 
 
 class DDPError(VescaleError, ValueError):
@@ -56,3 +56,8 @@ class TokenIdError(VescaleError, IndexError):
     ``IndexError`` there, a vocab-parallel lookup would read zeros. The message names the id, the vocabulary size and
     the embedding; every rank holding a piece of the ids raises it (see
     :func:`vescale.parallel.model_calls.check_token_ids`)."""
+
+
+class NonFiniteStepError(VescaleError, RuntimeError):
+    """More consecutive optimizer steps had a non-finite loss or gradient norm on some rank than a
+    :class:`~vescale.parallel.step_guard.StepGuard` allows (raised on every rank; the state is the last good step's)."""

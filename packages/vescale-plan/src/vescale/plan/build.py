@@ -67,6 +67,7 @@ class Parallelized:
     report: Any = None  # the planner's ParallelReport, when vescale.plan.auto_parallelize chose the spec
     plan: dict | None = None  # the tensor-parallel plan applied (spec.tp_plan resolved), None without tp
     grad_norm: torch.Tensor | None = None  # the last clip_grad_norm_'s norm
+    step_guard: Any = None  # make_optimizer(skip_nonfinite=True)'s vescale.parallel.StepGuard
     _cp_positions: torch.Tensor | None = None
     _experts: list = field(default_factory=list)  # pp x ep: the experts whose stages hold plain [E / ep, ...] rows
     _by_name: bool = False  # the model takes its token ids as ``input_ids=`` (transformers), where plans place them
@@ -103,7 +104,7 @@ class Parallelized:
         gradients are one device's for the whole global batch (averaged over the data ranks)."""
         if self.engine is not None:
             y = targets if self._cp_positions is None else targets[:, self._cp_positions]
-            return self.engine.step(inputs, y).detach() * self.roles.ep.size
+            return self._observed(self.engine.step(inputs, y).detach() * self.roles.ep.size)
         n, total, ddp = self.spec.grad_accum, None, self.ddp
         fsdp = self.spec.zero == 3
         for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
@@ -121,7 +122,12 @@ class Parallelized:
                     if ddp is not None and last:
                         ddp.finish_grad_sync()
             total = loss.detach() if total is None else total + loss.detach()
-        return total
+        return self._observed(total)
+
+    def _observed(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.step_guard is not None:  # a non-finite loss skips the next optimizer step on every rank
+            self.step_guard.observe_loss(loss)
+        return loss
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The global batch's mean loss from every rank's :meth:`forward_backward` value: the mean over the ranks
@@ -134,14 +140,26 @@ class Parallelized:
         return loss / role.size
 
     def make_optimizer(self, optimizer_cls: type, *, param_groups: Callable[[list], list] | None = None,
-                       clip_grad: float | None = None, **kw: Any):
+                       clip_grad: float | None = None, skip_nonfinite: bool = False, max_bad_steps: int | None = 3,
+                       **kw: Any):
         """The optimizer this spec calls for: ``optimizer_cls(groups, **kw)`` over :meth:`parameters`
         (``param_groups(params)`` shapes the groups), inside :class:`vescale.parallel.DistributedOptimizer` for ZeRO
         1/2 and bf16 masters (fp32 masters and state), plain otherwise (ZeRO 3: over FSDP2's shards). With
         ``clip_grad`` every step first clips the gradient norm to it, computed as one device's (over dp, tp, ep and
-        pp); the norm is kept in :attr:`grad_norm` (or the DistributedOptimizer's)."""
+        pp); the norm is kept in :attr:`grad_norm` (or the DistributedOptimizer's).
+
+        ``skip_nonfinite``: every rank skips a step whose loss (from :meth:`forward_backward`) or gradients are not
+        finite on any rank (:func:`vescale.parallel.skip_nonfinite_steps`: one one-element all-reduce over the world
+        per step); more than ``max_bad_steps`` such steps in a row raise
+        :class:`vescale.parallel.NonFiniteStepError`. The guard is :attr:`step_guard` (its ``skipped`` count)."""
         from vescale.parallel import DistributedOptimizer
 
+        if skip_nonfinite:  # the same optimizer, its step guarded
+            opt = self.make_optimizer(optimizer_cls, param_groups=param_groups, clip_grad=clip_grad, **kw)
+            from vescale.parallel import skip_nonfinite_steps
+
+            self.step_guard = skip_nonfinite_steps(opt, max_consecutive=max_bad_steps)
+            return opt
         params = self.parameters()
         inner = optimizer_cls(param_groups(params) if param_groups is not None else params, **kw)
         if self.ddp is not None and (self.spec.zero in (1, 2) or self.spec.dtype != "fp32"):

@@ -1,0 +1,94 @@
+"""Stop a distributed job cleanly on a preemption signal: every rank finishes its step, then all stop together.
+
+A scheduler that preempts a job (Kubernetes, SLURM's ``--signal=USR1@120`` before a time limit, a spot instance
+reclaimed) signals the job's processes, often not all of them at once, and sometimes only one. A rank that simply
+exited would leave the others waiting in their next collective. :class:`PreemptionGuard` records the signal on the
+rank that got it, and :meth:`PreemptionGuard.should_stop`, called by every rank once per step, agrees on it with one
+all-reduce (MAX) of a one-element flag, so every rank sees ``True`` at the same step and can checkpoint and exit::
+
+    with PreemptionGuard(["SIGTERM", "SIGUSR1"]) as preempt:
+        for step in range(start, steps):
+            train_step(step)
+            if preempt.should_stop():
+                save_checkpoint(step + 1)
+                break
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterable
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PreemptionGuard", "signal_number"]
+
+
+def signal_number(name: str | int | signal.Signals) -> signal.Signals:
+    """The signal ``name`` names (``"SIGTERM"``, ``"TERM"``, ``"USR1"``, 15); ``ValueError`` naming it otherwise."""
+    if isinstance(name, (int, signal.Signals)):
+        return signal.Signals(name)
+    key = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+    try:
+        return signal.Signals[key]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)") from None
+
+
+class PreemptionGuard:
+    """Notes the ``signals`` this process receives (inside ``with``) and agrees on them across ranks.
+
+    ``group``: the ranks that agree (default: all). ``every``: :meth:`should_stop` communicates on every ``every``-th
+    call only (1: each call; a signal then waits at most ``every`` steps). ``device``: the flag's device (default:
+    the current CUDA device under NCCL, else the CPU). The handlers replace the previous ones for the ``with`` and are
+    restored after it; they must be installed from the main thread (Python runs handlers there).
+    """
+
+    def __init__(self, signals: Iterable[str | int] = ("SIGTERM",), *, group: dist.ProcessGroup | None = None,
+                 every: int = 1, device: torch.device | str | None = None) -> None:
+        if every < 1:
+            raise ValueError(f"every={every} must be at least 1")
+        self.signals = tuple(dict.fromkeys(signal_number(s) for s in signals))
+        self.group, self.every, self._device = group, every, device
+        self.received: signal.Signals | None = None  # the first signal this process got
+        self.stopping = False  # what the last agreement said
+        self._calls = 0
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionGuard installs signal handlers: enter it from the main thread")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    def should_stop(self) -> bool:
+        """Whether some rank of ``group`` received one of the signals: the same answer on every rank. A collective
+        (one all-reduce of one float32) on every ``every``-th call; the calls between return the last answer."""
+        self._calls += 1
+        if self.stopping or (self._calls - 1) % self.every:
+            return self.stopping
+        flag = torch.tensor(0.0 if self.received is None else 1.0, device=self._flag_device())
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.stopping = bool(flag.item() > 0)
+        return self.stopping
+
+    def _flag_device(self) -> torch.device:
+        if self._device is not None:
+            return torch.device(self._device)
+        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
