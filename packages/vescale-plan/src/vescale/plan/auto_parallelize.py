@@ -86,8 +86,8 @@ def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: f
                        max_tp: int = 8, max_cp: int = 8, max_ep: int = 64, param_bytes: int = 4, act_bytes: int = 4,
                        hw: HardwareModel | None = None, sequence_parallel: bool = False,
                        example_args: tuple | None = None, example_kwargs: dict | None = None,
-                       trace: ModelTrace | None = None, zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-                       ) -> ParallelReport:
+                       trace: ModelTrace | None = None, zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+                       microbatch_size: int | None = None) -> ParallelReport:
     """Estimate every ``pp x dp x cp x ep x tp = world_size`` (``fixed`` pins some of them) and ZeRO stage in
     ``zero_stages``; pick the fastest that fits ``memory_budget_gb`` (the smallest memory if none fits).
 
@@ -101,6 +101,10 @@ def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: f
     * ZeRO 1/2 where the dp (x cp) ranks are more than one (with ``pp > 1`` per stage); ZeRO 3 (FSDP2 per block) where
       ``dp > 1``,
       ``pp == 1`` and ``cp == ep == 1``; every other candidate is ZeRO 0.
+
+    ``microbatch_size`` (sequences per pipeline microbatch): a pipeline candidate runs ``batch_size / (dp x ep) /
+    microbatch_size`` microbatches (``CostEstimate.microbatches``; skipped when that does not divide); default: two
+    per pp rank, as ``ParallelSpec`` does.
 
     Pure: no collectives, no weights. ``report.shape`` is the model shape the memory terms used and
     ``report.reasons`` (what :func:`vescale.plan.explain_choice` prints) why cp, ep or ZeRO-3 was or was not chosen.
@@ -139,12 +143,17 @@ def choose_parallelism(model: nn.Module, world_size: int, *, memory_budget_gb: f
                 continue
             if batch_size % (dp * ep) or (pp > 1 and batch_size // dp < pp):
                 continue  # every data rank needs whole sequences; a pipeline at least one per stage
+            mbs = None
+            if pp > 1 and microbatch_size:
+                if (batch_size // (dp * ep)) % microbatch_size:
+                    continue
+                mbs = batch_size // (dp * ep) // microbatch_size
             for zero in _zero_stages(zero_stages, pp=pp, dp=dp, cp=cp, ep=ep):
                 cands.append(estimate(trace, pp=pp, dp=dp, tp=tp, zero_stage=zero, tp_sharded=sharded, pairs=rows,
                                       layers=layers, batch_size=batch_size, seq_len=seq_len, param_bytes=param_bytes,
                                       act_bytes=act_bytes, memory_budget_gb=memory_budget_gb, hw=hw,
                                       sequence_parallel=sequence_parallel, vocab=vocab if heads else 0, cp=cp,
-                                      ep=ep, shape=shape, largest_block=largest_block))
+                                      ep=ep, shape=shape, largest_block=largest_block, microbatches=mbs))
     if not cands:
         raise PlanError(f"no pp x dp x cp x ep x tp factorisation of world size {world_size} fits the constraints "
                         f"(fixed={fixed}, batch_size={batch_size}, {layers} blocks, max_tp={max_tp}, "

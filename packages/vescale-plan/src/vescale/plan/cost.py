@@ -77,6 +77,11 @@ class CostEstimate:
     params_gb: float = 0.0  # parameters + gradients + optimizer states per rank
     activations_gb: float = 0.0
     attention_gb: float = 0.0  # the part of the activations that grows faster than the tokens (S^2, gathered k/v)
+    weights_gb: float = 0.0  # the terms of params_gb: this rank's parameters (its ZeRO-3 shard under ZeRO 3),
+    grads_gb: float = 0.0  # its gradients, its optimizer states (Adam's two, plus fp32 masters below 4-byte
+    states_gb: float = 0.0  # parameters), and the ZeRO-3 blocks gathered whole (communication buffers)
+    gathered_gb: float = 0.0
+    microbatches: int = 0  # pipeline microbatches per step priced (0 without a pipeline)
 
     @property
     def dims(self) -> dict[str, int]:
@@ -165,8 +170,8 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
     weights = params_rank * param_bytes / (shard if zero_stage >= 3 else 1)
     grads = params_rank * param_bytes / (shard if zero_stage >= 2 else 1)
     states = params_rank * (8 + (4 if param_bytes < 4 else 0)) / (shard if zero_stage >= 1 else 1)
-    if zero_stage >= 3:
-        weights += 2 * largest_block / tp * param_bytes  # the block computing and the one prefetched, gathered
+    gathered = 2 * largest_block / tp * param_bytes if zero_stage >= 3 else 0.0  # computing and prefetched
+    weights += gathered
     layers_rank = max(layers / pp, 1)
     in_flight = min(pp, microbatches) if pp > 1 else 1
     if shape is not None:
@@ -185,4 +190,6 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
     fits = memory_budget_gb is None or mem_gb <= memory_budget_gb
     return CostEstimate(pp, dp, tp, zero_stage, compute, bubble, tp_bytes, dp_bytes, pp_bytes, comm, step, mem_gb,
                         fits, cp=cp, ep=ep, cp_bytes=cp_bytes, ep_bytes=ep_bytes, params_gb=state_bytes / 2**30,
-                        activations_gb=acts / 2**30, attention_gb=attention / 2**30)
+                        activations_gb=acts / 2**30, attention_gb=attention / 2**30,
+                        weights_gb=(weights - gathered) / 2**30, grads_gb=grads / 2**30, states_gb=states / 2**30,
+                        gathered_gb=gathered / 2**30, microbatches=microbatches if pp > 1 else 0)

@@ -1,0 +1,243 @@
+"""A dry run of one rank of a large mesh, in one process: torch's fake process group and the meta device.
+
+:func:`dry_run` initialises a ``fake`` process group of the job's world size as rank ``rank`` (no other process, no
+communication: each collective returns at once), builds the model on the meta device (shapes, no storage) and applies
+the spec through :func:`vescale.plan.build`, the path a real job takes. Then it checks what one rank can check
+without data:
+
+* ``build``: every step of the composition ran for this rank (spec rules, mesh, tp plan resolved and applied,
+  pipeline split and schedule built, data parallelism wrapped);
+* ``shapes``: every sharded parameter's sharded dims divide by their mesh dims (DTensor accepts uneven shards; a
+  job usually does not want them);
+* ``bytes``: this rank's parameter, gradient and optimizer-state bytes, counted from the tensors that were built
+  (DTensor local shards, the DDP gradient buffers, the optimizer's state after one ``step``), not estimated;
+* ``step`` (``pp == 1``): one training step's forward and backward on meta tensors of this rank's rows, then the
+  optimizer step, with every collective counted by mesh dim (:class:`vescale.core.comm.CommCounter`).
+
+What it cannot check is reported, not skipped silently (:attr:`DryRunReport.not_checked`): values (the token-id
+range check, MoE routing counts and anything else read back from a tensor get a stand-in scalar), and, with a
+pipeline, the step itself (stage boundaries carry their shapes as tensor values in a header the receiving rank reads,
+which neither a meta tensor nor a one-process fake group can deliver).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from vescale.plan.spec import ParallelSpec
+
+__all__ = ["DryRunReport", "dry_run", "meta_scalars"]
+
+_SCALAR_READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
+
+
+class _MetaScalars(TorchFunctionMode):
+    """Answers host reads of meta tensors (``.item()``, ``.tolist()``, ``bool()``) with stand-ins: zeros, and True
+    for truth tests. Model code and vescale's checks read values back (transformers' packed-sequence test, the
+    token-id range check); a meta tensor has none, and the dry run checks shapes, not values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _SCALAR_READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            t = args[0]
+            if name == "tolist":
+                return torch.zeros(t.shape, dtype=t.dtype).tolist()
+            return True if name == "__bool__" else 0
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def meta_scalars():
+    """Within the block, host reads of meta tensors return stand-ins (zeros; True for ``bool``) and ``nonzero`` on
+    meta assumes every element is nonzero, so code that branches on a value runs on the meta device."""
+    import torch.fx.experimental._config as fx_config
+
+    old = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    try:
+        with _MetaScalars():
+            yield
+    finally:
+        fx_config.meta_nonzero_assume_all_nonzero = old
+
+
+@dataclass
+class DryRunReport:
+    """What :func:`dry_run` saw on one rank.
+
+    ``checks``: ``{name: detail}`` of what passed; ``failed``: ``{name: error}``; ``not_checked``: ``{name: why}``.
+    ``bytes``: this rank's exact ``parameters``, ``gradients`` and ``optimizer`` bytes (``None`` where the step that
+    creates them did not run). ``collectives``: :meth:`vescale.core.comm.CommCounter.summary` of one step (forward,
+    backward and optimizer step), by mesh dim. ``seconds``: wall time per phase.
+    """
+
+    world_size: int
+    rank: int
+    spec: ParallelSpec
+    coordinate: dict[str, int] = field(default_factory=dict)
+    checks: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    not_checked: dict[str, str] = field(default_factory=dict)
+    bytes: dict[str, int | None] = field(default_factory=dict)
+    collectives: dict | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def as_dict(self) -> dict:
+        return {"world_size": self.world_size, "rank": self.rank, "mesh": dict(self.spec.mesh),
+                "coordinate": self.coordinate, "ok": self.ok, "checks": self.checks, "failed": self.failed,
+                "not_checked": self.not_checked, "bytes": self.bytes, "collectives": self.collectives,
+                "seconds": {k: round(v, 2) for k, v in self.seconds.items()}}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        t = _local(t)
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _uneven(params: list[tuple[str, nn.Parameter]]) -> list[str]:
+    """``name dim size / mesh dim`` for every Shard placement that does not divide its dim."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for name, p in params:
+        if not isinstance(p, DTensor):
+            continue
+        mesh_names = p.device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(p.device_mesh.ndim))
+        for i, pl in enumerate(p.placements):
+            if pl.is_shard() and p.shape[pl.dim] % p.device_mesh.size(i):
+                out.append(f"{name} dim {pl.dim} ({p.shape[pl.dim]}) over {mesh_names[i]}={p.device_mesh.size(i)}")
+    return out
+
+
+def _grad_bytes(out) -> int:
+    ddp = out.ddp
+    if ddp is not None and hasattr(ddp, "grad_buffer_bytes"):  # (DDP's flat buffers; ZeRO 2: its shards)
+        return int(ddp.grad_buffer_bytes())
+    return _nbytes(p.grad for p in out.parameters() if p.grad is not None)
+
+
+def _optimizer_bytes(opt) -> int:
+    if hasattr(opt, "state_bytes"):  # DistributedOptimizer: its fp32 states and masters
+        total = int(opt.state_bytes())
+        return total + int(opt.master_bytes()) if hasattr(opt, "master_bytes") else total
+    return _nbytes(v for state in opt.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def dry_run(make_model: Callable[[], nn.Module], spec: ParallelSpec, *, world_size: int, rank: int = 0,
+            batch_size: int, seq_len: int, optimizer: type = torch.optim.AdamW) -> DryRunReport:
+    """Build ``spec`` for rank ``rank`` of ``world_size`` in this process and check it (see the module docstring).
+
+    ``make_model()`` returns the unmodified model on the meta device (it is called after the fake group exists).
+    ``batch_size`` (global sequences) and ``seq_len`` shape the step. Initialises and then destroys a ``fake``
+    process group, so it must run where no process group is initialised. Nothing is communicated.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from vescale.core.comm import count_comms
+    from vescale.plan.build import build
+
+    if dist.is_initialized():
+        raise RuntimeError("dry_run initialises its own fake process group; a process group is already initialised")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
+    if spec.world_size != world_size:
+        raise ValueError(f"spec mesh {spec.mesh} has {spec.world_size} ranks, not --world-size {world_size}")
+    report = DryRunReport(world_size, rank, spec)
+    problems = spec.problems(batch_size=batch_size, seq_len=seq_len)
+    if problems:
+        report.failed["spec"] = "; ".join(problems)
+        return report
+    report.checks["spec"] = "ParallelSpec.problems(): none"
+    # meta tensors have no backend of their own: the fake group serves them as it serves the CPU's
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with meta_scalars():
+            _run(report, make_model, spec, batch_size, seq_len, optimizer, build, count_comms)
+    finally:
+        dist.destroy_process_group()
+    return report
+
+
+def _run(report: DryRunReport, make_model, spec, batch_size, seq_len, optimizer, build, count_comms) -> None:
+    t0 = time.perf_counter()
+    model = make_model()
+    report.seconds["model"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        out = build(model, spec, batch_size=batch_size, seq_len=seq_len, device=torch.device("meta"))
+    except Exception as exc:  # noqa: BLE001 - reported: which part of build failed on this rank, and why
+        report.failed["build"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}"
+        return
+    report.seconds["build"] = time.perf_counter() - t0
+    roles = out.roles
+    if roles.mesh is not None:
+        names = roles.mesh.mesh_dim_names or ()
+        report.coordinate = dict(zip(names, roles.mesh.get_coordinate() or ()))
+    pp = spec.size("pp")
+    held = [(n, p) for m in out.modules for n, p in m.named_parameters()]
+    what = f"{len(out.modules)} pipeline stage(s)" if out.engine is not None else "the model"
+    report.checks["build"] = (f"build ran for rank {report.rank}: {what}, {len(held)} parameter tensors"
+                              + (f", tp plan of {len(out.plan)} entries applied" if out.plan else ""))
+    if out.engine is not None:
+        report.checks["schedule"] = (f"schedule {spec.schedule!r} built for {pp} pp ranks x "
+                                     f"{spec.pipeline_microbatches} microbatches: stages {sorted(out.engine.stages)}"
+                                     " on this rank")
+    uneven = _uneven(held)
+    if uneven:
+        report.failed["shapes"] = f"{len(uneven)} uneven shard(s): " + "; ".join(uneven[:8])
+    else:
+        report.checks["shapes"] = "every sharded parameter dim divides by its mesh dim"
+    report.bytes["parameters"] = _nbytes(p for _, p in held)
+    if pp > 1:
+        report.not_checked["step"] = ("the pipeline step was not run: stage boundaries carry their shapes as tensor "
+                                      "values (vescale.pipe's p2p header) that the receiving rank reads, which a "
+                                      "meta tensor cannot hold and a one-process fake group cannot deliver")
+        report.not_checked["gradients/optimizer bytes"] = "created by the step, which did not run (see step)"
+        report.bytes["gradients"] = report.bytes["optimizer"] = None
+        if out.ddp is not None and hasattr(out.ddp, "grad_buffer_bytes"):  # allocated at wrap time
+            report.bytes["gradients"] = int(out.ddp.grad_buffer_bytes())
+            report.not_checked["gradients/optimizer bytes"] = "optimizer state is created by the step (see step)"
+        return
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    try:
+        opt = out.make_optimizer(optimizer, lr=1e-4)
+        rows = out.shard_batch(ids)
+        with count_comms(roles.mesh) as comms:
+            out.forward_backward(rows, rows)
+            opt.step()
+    except Exception as exc:  # noqa: BLE001 - reported, as for build
+        report.failed["step"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}"
+        return
+    report.seconds["step"] = time.perf_counter() - t0
+    report.checks["step"] = (f"forward, backward and {type(opt).__name__}.step ran on this rank's "
+                             f"{tuple(rows.shape)} token ids")
+    report.collectives = comms.summary()
+    report.bytes["gradients"] = _grad_bytes(out)
+    report.bytes["optimizer"] = _optimizer_bytes(opt)
+    report.not_checked["values"] = ("values: host reads of tensors (token-id range check, routing counts) got "
+                                    "stand-in zeros; the fake group moves no data")
