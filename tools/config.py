@@ -61,7 +61,10 @@ class TrainConfig:
     prompt: str | None = None  # the samples' prompt; None: the held-out split's first tokens
     out: str = "runs/latest"
     ckpt_every: int = 0
-    resume: str | None = None
+    resume: str | None = None  # a checkpoint directory, or auto: the newest complete one under --out
+    max_bad_steps: int = 3  # consecutive non-finite steps skipped before the run stops (0: stop at the first)
+    preempt_signal: str | None = None  # stop cleanly on it too (SIGTERM always), e.g. SIGUSR1 from SLURM
+    tensorboard: bool = False  # event files under <out>/tensorboard (the tensorboard package)
     trace_steps: int = 3
     quiet: bool = False
     grad_dump: str | None = None  # file: the first step's whole gradients by FQN (safetensors, rank 0 writes)
@@ -157,7 +160,7 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
     numeric = {"--steps": (cfg.steps, 1), "--batch-size": (cfg.batch_size, 1), "--seq-len": (cfg.seq_len, 1),
                "--warmup": (cfg.warmup, 0), "--ckpt-every": (cfg.ckpt_every, 0), "--eval-every": (cfg.eval_every, 0),
                "--sample-every": (cfg.sample_every, 0), "--trace-steps": (cfg.trace_steps, 0),
-               "--collective-ring": (cfg.collective_ring, 0)}
+               "--collective-ring": (cfg.collective_ring, 0), "--max-bad-steps": (cfg.max_bad_steps, 0)}
     problems += [f"{flag} {value} must be at least {least}" for flag, (value, least) in numeric.items()
                  if value < least]
     for flag, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay), ("--clip", cfg.clip),
@@ -191,6 +194,19 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
     if cfg.export_hf and not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         problems.append(f"--export-hf needs a Hugging Face model (a model directory or one of "
                         f"{sorted(models.HF_MODELS)}); {cfg.model} has no transformers class")
+    if cfg.preempt_signal is not None:
+        from vescale.core.preemption import signal_number
+
+        try:
+            signal_number(cfg.preempt_signal)
+        except ValueError as exc:
+            problems.append(f"--preempt-signal: {exc}")
+    if cfg.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            problems.append("--tensorboard needs the tensorboard package, which is not installed (pip install "
+                            "tensorboard)")
     if cfg.min_lr is not None and not 0 <= cfg.min_lr <= cfg.lr:
         problems.append(f"--min-lr {cfg.min_lr} must lie in [0, --lr {cfg.lr}]")
     if problems:
@@ -275,7 +291,18 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--overwrite", action="store_true",
                    help="replace the outputs (metrics, plots, summary, checkpoints) another run left in --out")
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="async checkpoint every N steps (0: off)")
-    p.add_argument("--resume", default=None, help="checkpoint directory to resume from (any mesh)")
+    p.add_argument("--resume", default=None,
+                   help="checkpoint directory to resume from (any mesh), or auto: the newest complete and intact\n"
+                        "<out>/ckpt/step_N (skipping damaged ones, saying which), else start fresh in --out")
+    p.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps, metavar="N",
+                   help="a step with a non-finite loss or gradient on any rank is skipped on every rank; one more\n"
+                        "than N in a row stops the run (NonFiniteStepError) after a checkpoint of the last good\n"
+                        "state (0: stop at the first)")
+    p.add_argument("--preempt-signal", default=None, metavar="SIGNAL",
+                   help="besides SIGTERM, this signal (e.g. SIGUSR1, which SLURM's --signal sends before a time\n"
+                        "limit) makes every rank finish its step, checkpoint and exit 0")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to <out>/tensorboard (needs the tensorboard package)")
     p.add_argument("--trace-steps", type=int, default=d.trace_steps, help="steps recorded in timeline.json")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--export-hf", default=None, metavar="DIR",

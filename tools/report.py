@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunLog", "TimelineWindow", "dump_grads", "gather_per_rank", "state_bytes", "peak_memory_mb"]
+__all__ = ["RunLog", "TensorBoardLog", "TimelineWindow", "dump_grads", "gather_per_rank", "state_bytes",
+           "peak_memory_mb"]
 
 
 def gather_per_rank(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -125,13 +126,15 @@ class RunLog:
     progress bar (a line per 1/20 of the run when stdout is not a terminal), then ``loss.png`` and ``summary.json``.
     On other ranks (``active=False``) it only keeps the records."""
 
-    def __init__(self, out: Path, total: int, start: int, *, active: bool, append: bool, quiet: bool) -> None:
+    def __init__(self, out: Path, total: int, start: int, *, active: bool, append: bool, quiet: bool,
+                 tensorboard: bool = False) -> None:
         self.out, self.total, self.start, self.quiet = out, total, start, quiet or not active
         self.records: list[dict] = []
-        self.file = None
+        self.file = self.tensorboard = None
         if active:
             out.mkdir(parents=True, exist_ok=True)
             self.file = open(out / "metrics.jsonl", "a" if append else "w")  # noqa: SIM115 - closed by finish()
+            self.tensorboard = TensorBoardLog(out / "tensorboard") if tensorboard else None
         self.t0 = time.perf_counter()
         self.tty = sys.stdout.isatty()
         self.every = max(1, total // 20)
@@ -142,13 +145,16 @@ class RunLog:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.step(record)
         if self.quiet:
             return
         left = self.total - step - 1
         eta = (time.perf_counter() - self.t0) / max(step + 1 - self.start, 1) * left
         bar = "#" * int(24 * (step + 1) / self.total)
         line = (f"step {step + 1:>5}/{self.total} [{bar:<24}] loss {record['loss']:7.4f} | "
-                f"{record['tokens_per_s']:8.0f} tok/s | ETA {int(eta) // 60}m{int(eta) % 60:02d}s")
+                f"{record['tokens_per_s']:8.0f} tok/s | ETA {int(eta) // 60}m{int(eta) % 60:02d}s"
+                + (f" | {record['skipped']} skipped" if record.get("skipped") else ""))
         if self.tty:
             print("\r" + line, end="\n" if left == 0 else "", flush=True)
         elif (step + 1) % self.every == 0 or left == 0 or step == self.start:
@@ -158,10 +164,37 @@ class RunLog:
         """Close ``metrics.jsonl``, plot the loss (and held-out loss) against ``floor`` (the corpus entropy; ``None``
         for real text, which has no known floor), write ``summary.json``."""
         self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.records:
             plot_loss(self.records, self.out / "loss.png", floor)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+class TensorBoardLog:
+    """TensorBoard event files in ``path`` (``torch.utils.tensorboard``; the ``tensorboard`` package): each metrics
+    record's figures as scalars at its ``step`` under the tags of :attr:`TAGS`."""
+
+    #: metrics.jsonl key -> TensorBoard tag
+    TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "skipped": "train/skipped_steps",
+            "tokens_per_s": "perf/tokens_per_s", "step_s": "perf/step_s", "memory_mb": "perf/peak_memory_mb",
+            "eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise RuntimeError("--tensorboard needs the tensorboard package (pip install tensorboard)") from exc
+        self.writer = SummaryWriter(log_dir=str(path))
+
+    def step(self, record: dict) -> None:
+        for key, tag in self.TAGS.items():
+            if isinstance(record.get(key), (int, float)):
+                self.writer.add_scalar(tag, record[key], global_step=record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def plot_loss(metrics: list[dict], path: Path, floor: float | None) -> bool:

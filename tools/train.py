@@ -48,6 +48,7 @@ from config import TrainConfig, check_fits, lr_at, parse_args, prepare_out  # no
 from data import DataError, open_data, resume_offset  # noqa: E402
 from evaluate import TextMonitor  # noqa: E402
 from report import RunLog, TimelineWindow, dump_grads, gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
+from resilience import Resilience, auto_resume  # noqa: E402
 
 
 def log(cfg: TrainConfig, message: str) -> None:
@@ -165,9 +166,12 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     monitor = TextMonitor(cfg, corpus, trainer.state["model"], dp_rank=roles.dp.rank, dp=roles.dp.size,
                           dp_group=roles.dp.group, log=lambda m: log(cfg, m), device=device, ep_rank=roles.ep.rank,
                           ep=roles.ep.size, ep_group=roles.ep.group)
-    run_log = RunLog(out, cfg.steps, start, active=rank == 0, append=bool(cfg.resume), quiet=cfg.quiet)
+    run_log = RunLog(out, cfg.steps, start, active=rank == 0, append=bool(cfg.resume), quiet=cfg.quiet,
+                     tensorboard=cfg.tensorboard)
+    res = Resilience(cfg, par, optimizer, trainer.state, out=out, progress=lambda n: {  # saves, bad steps, signals
+        "step": n, "data": corpus.fingerprint, "sequences": offset + n * cfg.batch_size})
     window = TimelineWindow(mesh, start, cfg.steps, cfg.trace_steps, out / "timeline.json")
-    tokens_per_step, pending_save, t_start = cfg.batch_size * cfg.seq_len, None, time.perf_counter()
+    tokens_per_step, t_start = cfg.batch_size * cfg.seq_len, time.perf_counter()
     comm_step, comms = min(start + 1, cfg.steps - 1), None  # collectives counted on one warm step
     for step in range(start, cfg.steps):
         window.before(step)
@@ -181,23 +185,21 @@ def train(cfg: TrainConfig, watch=None) -> dict:
             if cfg.grad_dump and step == start:  # before clipping and the update: the raw gradient of the batch
                 at = mesh_coordinates(mesh) if mesh is not None else {}  # one copy of each: the replicas' first
                 dump_grads(par.grads(), cfg.grad_dump, keep=all(at.get(d, 0) == 0 for d in ("dp", "cp", "tp")))
-            optimizer.step()
+            res.step(step)  # skipped on every rank when some rank's loss or gradient is not finite
         if counter is not None:
             comms = counter.summary()
         loss = par.global_loss(loss)  # the global batch's mean, as one device computes it
         dt = time.perf_counter() - t0
         window.after(step)
         run_log.step(step, {"step": step + 1, "loss": float(loss), "lr": lr_at(step, cfg), "step_s": dt,
-                            "tokens_per_s": tokens_per_step / dt, **monitor.after_step(step)})
+                            "tokens_per_s": tokens_per_step / dt, **res.metrics(), **monitor.after_step(step)})
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
-            if pending_save is not None:
-                pending_save.wait()
-            progress = {"step": step + 1, "data": corpus.fingerprint,
-                        "sequences": offset + (step + 1) * cfg.batch_size}
-            pending_save = checkpoint.save(out / "ckpt" / f"step_{step + 1}", {**trainer.state, "progress": progress},
-                                           async_save=True)
-    if pending_save is not None:
-        pending_save.wait()
+            res.save(step + 1)
+        if res.should_stop(step):  # a preemption signal reached some rank: every rank stops here, checkpointed
+            log(cfg, f"preempted ({res.preempt.received or 'another rank'}): stopped after step {step + 1}, "
+                f"checkpoint {out / 'ckpt' / f'step_{step + 1}'}")
+            break
+    res.close()
     wall = time.perf_counter() - t_start
     if not cfg.quiet and cfg.steps > start and roles.cp.size == 1:  # what the model learned, in text (real data)
         monitor.sample(cfg.steps - 1)
@@ -229,6 +231,9 @@ def train(cfg: TrainConfig, watch=None) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv, description=__doc__.splitlines()[0])
     spec = check_fits(cfg)  # before any rank starts: a bad mesh or flag is one clear message, not one per rank
+    if cfg.resume == "auto":  # the newest intact checkpoint under --out, or a fresh start there
+        auto_resume(cfg, say=lambda m: print(f"train.py: {m}", flush=True) if os.environ.get("RANK", "0") == "0"
+                    else None)
     prepare_out(cfg, under_launcher="WORLD_SIZE" in os.environ)  # never into another run's outputs
     try:  # tokenized once, here, before the ranks start (each rank then opens the cached token file)
         open_data(cfg, models.model_spec(cfg.model).vocab_size)
