@@ -41,6 +41,7 @@ class TrainConfig:
     min_lr: float | None = None  # None: lr / 10
     weight_decay: float = 0.1  # AdamW's decoupled decay, on matrices (ndim >= 2) only
     clip: float = 1.0
+    optimizer: str = "adamw"  # adamw | muon: Muon (torch.optim.Muon, owners of whole matrices) for hidden matrices
     zero: int = 0  # over dp: 0-2 vescale DDP / DistributedOptimizer, 3 FSDP2 (HSDP on dp_replicate x dp_shard)
     dtype: str = "fp32"  # fp32 | bf16: bf16 parameters and compute over fp32 master weights and optimizer state
     reduce_dtype: str = "fp32"  # the dtype dp gradients are accumulated and reduced in with --dtype bf16
@@ -194,6 +195,9 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
     if cfg.export_hf and not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         problems.append(f"--export-hf needs a Hugging Face model (a model directory or one of "
                         f"{sorted(models.HF_MODELS)}); {cfg.model} has no transformers class")
+    if cfg.optimizer == "muon" and (cfg.dtype != "fp32" or pp > 1 or ep > 1):
+        problems.append(f"--optimizer muon steps fp32 parameters without pp or ep (got --dtype {cfg.dtype}, pp={pp}, "
+                        f"ep={ep})")
     if cfg.preempt_signal is not None:
         from vescale.core.preemption import signal_number
 
@@ -245,6 +249,9 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
                    help="AdamW weight decay on matrices (ndim >= 2: linear weights, embeddings); never on norm\n"
                         "scales or biases")
     p.add_argument("--clip", type=float, default=d.clip, help="max global grad norm (0: off)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "muon"],
+                   help="muon: torch.optim.Muon on the hidden 2-D weights (at AdamW's update RMS, lr and decay),\n"
+                        "AdamW on the rest; state and update owned by whole matrices under ZeRO 1/2/3 and tp")
     p.add_argument("--zero", type=int, default=d.zero, choices=[0, 1, 2, 3],
                    help="ZeRO stage over dp: 1 optimizer states, 2 + gradients (vescale DistributedOptimizer),\n"
                         "3 + parameters (torch FSDP2 per block). HSDP: --zero 3 on a mesh naming\n"

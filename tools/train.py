@@ -119,8 +119,12 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         f"ZeRO {spec.zero}, {spec.dtype}, tp plan {spec.tp_plan if isinstance(spec.tp_plan, str) else 'dict'}"
         + (f", schedule {spec.schedule} x {spec.pipeline_microbatches} microbatches" if spec.size("pp") > 1 else ""))
     par = build(model, spec, batch_size=cfg.batch_size, seq_len=cfg.seq_len, load_weights=load)
-    optimizer = par.make_optimizer(torch.optim.AdamW, lr=cfg.lr, clip_grad=cfg.clip or None,
-                                   param_groups=lambda ps: decay_groups(ps, cfg.weight_decay))
+    kw: dict = {"lr": cfg.lr, "clip_grad": cfg.clip or None,
+                "param_groups": lambda ps: decay_groups(ps, cfg.weight_decay)}
+    if cfg.optimizer == "muon":  # hidden matrices: Muon scaled to AdamW's update RMS (Moonlight), the rest AdamW
+        kw.update(weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw",
+                  rest=(torch.optim.AdamW, {"lr": cfg.lr}))
+    optimizer = par.make_optimizer(torch.optim.Muon if cfg.optimizer == "muon" else torch.optim.AdamW, **kw)
     init_bytes = whole_bytes if cfg.init == "eager" else state_bytes(par.modules)
     return Trainer(par, optimizer, par.state(optimizer), num_params, time.perf_counter() - t0, init_bytes, flops)
 

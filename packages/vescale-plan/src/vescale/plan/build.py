@@ -140,13 +140,21 @@ class Parallelized:
         return loss / role.size
 
     def make_optimizer(self, optimizer_cls: type, *, param_groups: Callable[[list], list] | None = None,
-                       clip_grad: float | None = None, skip_nonfinite: bool = False, max_bad_steps: int | None = 3,
-                       **kw: Any):
+                       clip_grad: float | None = None, rest: tuple[type, dict] | None = None,
+                       matrices: Callable[[str, nn.Parameter], bool] | None = None, skip_nonfinite: bool = False,
+                       max_bad_steps: int | None = 3, **kw: Any):
         """The optimizer this spec calls for: ``optimizer_cls(groups, **kw)`` over :meth:`parameters`
         (``param_groups(params)`` shapes the groups), inside :class:`vescale.parallel.DistributedOptimizer` for ZeRO
         1/2 and bf16 masters (fp32 masters and state), plain otherwise (ZeRO 3: over FSDP2's shards). With
         ``clip_grad`` every step first clips the gradient norm to it, computed as one device's (over dp, tp, ep and
         pp); the norm is kept in :attr:`grad_norm` (or the DistributedOptimizer's).
+
+        A matrix optimizer (``torch.optim.Muon`` or a subclass) takes the hidden 2-D weights (``matrices(fqn, p)``,
+        default :func:`vescale.parallel.hidden_matrices`: not embeddings nor the head) with ``**kw``; the other
+        parameters go to ``rest = (cls, kwargs)`` (default AdamW with ``kw``'s ``lr``), grouped by
+        ``param_groups``. It is stepped by whole-matrix owners (:mod:`vescale.parallel.muon`): a
+        ``DistributedMatrixOptimizer`` for ZeRO 1/2, else a ``MatrixOptimizer`` (ZeRO 0, ZeRO 3 over FSDP2's
+        shards); fp32 parameters only.
 
         ``skip_nonfinite``: every rank skips a step whose loss (from :meth:`forward_backward`) or gradients are not
         finite on any rank (:func:`vescale.parallel.skip_nonfinite_steps`: one one-element all-reduce over the world
@@ -155,12 +163,15 @@ class Parallelized:
         from vescale.parallel import DistributedOptimizer
 
         if skip_nonfinite:  # the same optimizer, its step guarded
-            opt = self.make_optimizer(optimizer_cls, param_groups=param_groups, clip_grad=clip_grad, **kw)
+            opt = self.make_optimizer(optimizer_cls, param_groups=param_groups, clip_grad=clip_grad, rest=rest,
+                                      matrices=matrices, **kw)
             from vescale.parallel import skip_nonfinite_steps
 
             self.step_guard = skip_nonfinite_steps(opt, max_consecutive=max_bad_steps)
             return opt
         params = self.parameters()
+        if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Muon):
+            return self._make_matrix_optimizer(optimizer_cls, params, param_groups, clip_grad, rest, matrices, kw)
         inner = optimizer_cls(param_groups(params) if param_groups is not None else params, **kw)
         if self.ddp is not None and (self.spec.zero in (1, 2) or self.spec.dtype != "fp32"):
             return DistributedOptimizer(self.ddp, inner, zero_stage=self.spec.zero, clip_grad=clip_grad,
@@ -171,6 +182,34 @@ class Parallelized:
 
             inner.register_step_pre_hook(clip)
         return inner
+
+    def _make_matrix_optimizer(self, cls: type, params: list, param_groups, clip_grad, rest, matrices, kw):
+        from vescale.parallel import DistributedMatrixOptimizer, MatrixOptimizer, hidden_matrices
+
+        if self.spec.dtype != "fp32":
+            raise SpecError(f"{cls.__name__} through make_optimizer steps fp32 parameters only; spec dtype is "
+                            f"{self.spec.dtype!r}")
+        if self.roles.ep.size > 1:
+            raise SpecError(f"{cls.__name__} through make_optimizer does not support ep={self.roles.ep.size}")
+        names = {}
+        for module in self.modules:
+            hidden = set(hidden_matrices(module))
+            for name, p in module.named_parameters():
+                if matrices(name, p) if matrices is not None else name in hidden:
+                    names.setdefault(id(p), name)
+        mats = [p for p in params if id(p) in names]
+        others = [p for p in params if id(p) not in names]
+        rest_cls, rest_kw = rest if rest is not None else (torch.optim.AdamW, {"lr": kw.get("lr", 1e-3)})
+        matrix = cls(mats, **kw)
+        other = rest_cls(param_groups(others) if param_groups is not None else others, **rest_kw)
+        if self.ddp is not None and self.spec.zero in (1, 2):
+            return DistributedMatrixOptimizer(self.ddp, matrix, other, zero_stage=self.spec.zero,
+                                              clip_grad=clip_grad, pp_group=self.roles.pp.group)
+        opt = MatrixOptimizer(self.modules, matrix, other,
+                              dp_dim="dp" if self.spec.zero == 3 else "_none_", tp_dim="tp")
+        if clip_grad:
+            opt.register_step_pre_hook(lambda *_: self.clip_grad_norm_(clip_grad))
+        return opt
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this rank's gradients to a global norm of ``max_norm`` (one device's norm); returns the norm.
