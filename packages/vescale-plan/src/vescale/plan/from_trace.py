@@ -12,6 +12,7 @@ from vescale.core.placement_format import format_placements
 from vescale.parallel.plan_grammar import check_plan
 from vescale.plan.decisions import AutoPlan, Decision
 from vescale.plan.planner import Planner
+from vescale.plan.random_reduction import reduce_before_random
 from vescale.plan.trace import ModelTrace
 
 __all__ = ["plan_from_trace"]
@@ -54,11 +55,19 @@ def plan_from_trace(trace: ModelTrace, names, sizes, *, tp: str = "tp", dp: str 
     """The plan for an existing :class:`ModelTrace` on a mesh given by dim ``names`` and ``sizes`` (no mesh object
     needed: this is what the cost model and the planning benchmark use). Evidence only: no numerical check (that
     needs the model: :func:`auto_plan`). ``refused`` maps parameter FQNs to a reason; their whole column/row pair is
-    replicated with that reason. The plan has all four sections of the grammar (``parameter``, ``input``,
+    replicated with that reason. Partial sums are reduced before any random op of the trace meets them
+    (:mod:`.random_reduction`). The plan has all four sections of the grammar (``parameter``, ``input``,
     ``output``, ``local``; ``""`` is the root module)."""
-    pl = Planner(trace, tuple(names), dict(sizes), tp, dp, sequence_parallel, loss_parallel, module_fqns or [],
-                 refused)
-    pl.run()
+    refused = dict(refused or {})
+    while True:
+        pl = Planner(trace, tuple(names), dict(sizes), tp, dp, sequence_parallel, loss_parallel, module_fqns or [],
+                     refused)
+        pl.run()
+        # a partial sum must be reduced before a random op meets it; pairs no boundary can reduce are replicated
+        more = {m: why for m, why in reduce_before_random(trace, pl).items() if m not in refused}
+        if not more:
+            break
+        refused.update(more)
     decisions: list[Decision] = []
     params: dict[str, list] = {}
     for fqn in trace.shapes:

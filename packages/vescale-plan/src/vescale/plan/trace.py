@@ -33,7 +33,7 @@ from vescale.core.torch_internals import pytree
 from vescale.plan.errors import TraceError
 from vescale.plan.evidence import FeatureTracker, LayoutEvidence
 
-__all__ = ["trace_model", "ModelTrace", "MatmulEvent", "ModuleCall"]
+__all__ = ["trace_model", "ModelTrace", "MatmulEvent", "ModuleCall", "RandomOp"]
 
 
 @dataclass
@@ -68,6 +68,19 @@ class ModuleCall:
 
 
 @dataclass
+class RandomOp:
+    """One random op of the forward (dropout with ``p > 0`` in either mode, ``bernoulli``, ``rand_like``, ...):
+    ``input_id``/``producers`` as for a matmul's input, ``stack`` the module FQNs around the call (outermost first)
+    and ``calls_done`` how many module calls had completed before it (an index into ``ModelTrace.calls``)."""
+
+    op: str
+    input_id: int
+    producers: frozenset[str]
+    stack: tuple[str, ...]
+    calls_done: int
+
+
+@dataclass
 class ModelTrace:
     """Everything :func:`trace_model` learned (see the module docstring)."""
 
@@ -91,6 +104,9 @@ class ModelTrace:
     # embedding weight -> why its lookup may not reach any module output unchanged (module-tree fallback: an
     # ``nn.Embedding`` subclass with its own forward); the planner keeps such tables replicated
     transformed_lookups: dict[str, str] = field(default_factory=dict)
+    # random ops in the order of the forward: a partial sum must be reduced before one (vescale's counter RNG cannot
+    # fill a Partial tensor, and a mask of a partial sum is not the mask of the sum's layout)
+    random_ops: list[RandomOp] = field(default_factory=list)
     stack: list[str] = field(default_factory=lambda: [""])
 
     def flops_under(self, prefix: str) -> float:
@@ -109,6 +125,13 @@ _T_PROPS = (torch.Tensor.T.__get__, torch.Tensor.mT.__get__)  # ``w.T`` / ``w.mT
 #: linear-attention mixers): a module calling one needs its whole sequence on every rank.
 _SEQ_MIXING = {F.conv1d, torch.conv1d, torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod,
                torch.logcumsumexp, torch.Tensor.logcumsumexp}
+#: Random ops (torch-function level) whose first argument's layout the op depends on; the dropouts are recorded
+#: whenever their ``p`` is above 0, in training and in eval mode alike, so the plan does not depend on the mode.
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+_RANDOM = _DROPOUTS | {torch.bernoulli, torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.rand_like,
+                       torch.randn_like, torch.randint_like, torch.Tensor.uniform_, torch.Tensor.normal_,
+                       torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
+                       torch.Tensor.log_normal_, torch.Tensor.cauchy_}
 _VIEWS = {torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.Tensor.flatten, torch.flatten,
           torch.Tensor.unflatten, torch.unflatten}
 
@@ -167,6 +190,12 @@ class _Recorder(TorchFunctionMode):
 
     def _record(self, func, args, kwargs, out) -> None:
         self._count_flops(func, args, kwargs, out)
+        if func in _RANDOM and args and isinstance(args[0], torch.Tensor):
+            p = (args[1] if len(args) > 1 else kwargs.get("p", 0.5)) if func in _DROPOUTS else 1.0
+            if not isinstance(p, (int, float)) or p > 0:
+                self.t.random_ops.append(RandomOp(getattr(func, "__name__", str(func)), id(args[0]),
+                                                  self.producers(args[0]), tuple(self.t.stack),
+                                                  len(self.t.calls)))
         outs = [o for o in pytree.tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if func is F.embedding and len(args) >= 2 and self._param_operand(args[1]):
             fqn = self._param_operand(args[1])[0]

@@ -1,0 +1,124 @@
+"""auto_plan with dropout: a partial sum is reduced before any random op meets it, so training mode with the model's
+own dropout equals one device running vescale's counter RNG (``vescale.dtensor.random.single_device``).
+
+The reference is the unmodified model on one process inside ``random.single_device()`` after
+``random.manual_seed(0)``; the parallel run reseeds to 0 after planning and draws the same masks (the counter RNG is
+keyed on the global element index), so the comparison is at fp32 reduction-order tolerance (rtol 1e-5), and the
+dropout masks themselves are bitwise those of one device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vescale.core.testing import multi_rank
+
+pytest.importorskip("transformers")
+
+
+def _opt():
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=64, word_embed_proj_dim=32)
+    assert config.dropout > 0  # the config's own default dropout (0.1) is what is run
+    return T.OPTForCausalLM(config).train()
+
+
+@multi_rank(world_sizes=[2])
+def test_opt_training_mode_dropout_matches_single_device(world_size):
+    """OPT in training mode with its default dropout on tp=2 (with and without sequence parallelism): its MLP runs
+    on the flattened sequence, so ``fc2``'s partial output met the residual dropout unreduced (``PlacementError:
+    bernoulli: cannot fill a DTensor with a Partial placement``). The plan now reduces it at ``fc2``'s output; logits,
+    loss and every gradient equal one device with the same RNG (rtol 1e-5)."""
+    from vescale.core.mesh import init_mesh
+    from vescale.dtensor import random
+    from vescale.parallel import parallelize_module
+    from vescale.plan import auto_plan
+
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = _opt()
+    with torch.no_grad():
+        plain = ref.eval()(input_ids=ids).logits
+    ref.train()
+    random.manual_seed(0)
+    with random.single_device():
+        out = ref(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert (out.logits - plain).abs().max() > 1e-2  # dropout is active in the reference
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    mesh = init_mesh({"tp": 2})
+    for sp in (False, True):
+        model = _opt()
+        plan = auto_plan(model, mesh, sequence_parallel=sp, example_kwargs={"input_ids": ids, "labels": ids})
+        parallelize_module(model, mesh, plan)
+        random.manual_seed(0)
+        got = model(input_ids=ids, labels=ids)
+        got.loss.backward()
+        torch.testing.assert_close(got.logits, out.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.loss, out.loss, rtol=1e-5, atol=1e-6)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[n], rtol=1e-5, atol=1e-5, msg=n)
+        reasons = {d.fqn: d.reason for d in plan.decisions if d.kind == "output"}
+        assert "before the random op dropout" in reasons.get("model.decoder.layers.1.fc2", ""), reasons
+
+
+class _Block(nn.Module):
+    """A residual MLP written with functional linears: no module returns the down projection's output."""
+
+    def __init__(self, dropout: nn.Module | None) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(32, 16))
+        self.down = nn.Parameter(torch.randn(16, 32))
+        self.drop = dropout
+
+    def forward(self, x):
+        h = F.linear(torch.tanh(F.linear(x, self.up)), self.down)
+        return x + (self.drop(h) if self.drop is not None else F.dropout(h, 0.1, self.training))
+
+
+class _Model(nn.Module):
+    def __init__(self, dropout: nn.Module | None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.block = _Block(dropout)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+
+def test_dropout_module_gets_a_reducing_input_and_functional_dropout_refuses_the_pair():
+    """Where no module returns the partial sum before the random op, an ``nn.Dropout`` module around the op gets a
+    reducing input boundary; a functional dropout with no module boundary before it gets the pair replicated, with
+    the reason (planned for tp=2 from the trace: no mesh needed)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from vescale.plan import plan_from_trace
+    from vescale.plan.trace import trace_model
+
+    plan = plan_from_trace(trace_model(_Model(nn.Dropout(0.1))), ["tp"], {"tp": 2})
+    roles = {d.fqn: d.role for d in plan.decisions if d.kind == "parameter"}
+    assert roles["block.up"] == "column" and roles["block.down"] == "row"
+    assert plan["input"][r"block\.drop"] == [[Replicate()]]
+
+    plan = plan_from_trace(trace_model(_Model(None)), ["tp"], {"tp": 2})
+    decisions = {d.fqn: d for d in plan.decisions if d.kind == "parameter"}
+    for fqn in ("block.up", "block.down"):
+        assert decisions[fqn].role == "replicated", decisions[fqn]
+        assert "reach the random op dropout in block" in decisions[fqn].reason, decisions[fqn]
+    assert plan["parameter"][r"embed\.weight"] == [Shard(0)]  # the rest stays sharded
+
+    # without dropout (p = 0) the same model keeps its pair sharded: the refusal is about the random op only
+    class _NoDrop(_Model):
+        def __init__(self) -> None:
+            super().__init__(nn.Dropout(0.0))
+
+    roles = {d.fqn: d.role for d in plan_from_trace(trace_model(_NoDrop()), ["tp"], {"tp": 2}).decisions
+             if d.kind == "parameter"}
+    assert roles["block.down"] == "row"
