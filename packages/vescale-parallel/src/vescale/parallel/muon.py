@@ -150,7 +150,7 @@ def _tp_layout(fqn: str, p: torch.Tensor, tp_mesh_dim: int | None) -> tuple[int 
 def _exchange(group, size: int, sends: list[list[torch.Tensor]], recv_sizes: list[int],
               like: torch.Tensor) -> list[torch.Tensor]:
     """One ``all_to_all_single`` over ``group``: ``sends[r]`` (1-D tensors) concatenated to rank ``r``; returns what
-    each rank sent here (1-D, ``recv_sizes[r]`` elements)."""
+    each rank sent here (1-D, ``recv_sizes[r]`` elements). With ``size == 1``, what this rank sent itself."""
     flat = [torch.cat([t.reshape(-1) for t in s]) if s else like.new_empty(0) for s in sends]
     if size == 1:
         return flat
@@ -168,6 +168,8 @@ class _MatrixStep:
         self.matrices = matrices
         self.dp_group, self.dp, self.dp_rank = dp_group, dp_size, dp_rank
         self.tp_group, self.tp, self.tp_rank = tp_group, tp_size, tp_rank
+        #: bytes this rank received from other ranks in the last step's exchanges
+        self.received = 0
         owners = matrix_owners([m.shape for m in matrices], dp_size * tp_size, columns=tp_size,
                                replicated=[m.tp_dim is None for m in matrices])
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in matrix.param_groups]
@@ -184,6 +186,10 @@ class _MatrixStep:
         #: the torch optimizer stepping this rank's whole matrices (its groups are the user's, possibly empty)
         self.optimizer = type(matrix)(inner_groups, **defaults)
 
+    def _exchange(self, group, size: int, rank: int, sends, sizes: list[int], like: torch.Tensor):
+        self.received += (sum(sizes) - sizes[rank]) * like.element_size()
+        return _exchange(group, size, sends, sizes, like)
+
     def owns(self, m: _Matrix) -> bool:
         return m.owner[0] == self.dp_rank and m.owner[1] in (None, self.tp_rank)
 
@@ -197,6 +203,7 @@ class _MatrixStep:
 
     @torch.no_grad()
     def step(self) -> None:
+        self.received = 0
         ms, like = self.matrices, self.matrices[0].grad_piece() if self.matrices else None
         if like is None:
             return
@@ -214,7 +221,7 @@ class _MatrixStep:
                     sends[m.owner[0]].append(m.param_piece())
             sizes = [sum(((m.grad_local is None) + (m.param_local is None)) * (m.ranges[r][1] - m.ranges[r][0])
                          for m in mine) for r in range(self.dp)]
-            recv = _exchange(self.dp_group, self.dp, sends, sizes, like)
+            recv = self._exchange(self.dp_group, self.dp, self.dp_rank, sends, sizes, like)
             at = [0] * self.dp
             for m in mine:
                 for need, out in ((m.grad_local is None, grad_local), (m.param_local is None, param_local)):
@@ -244,7 +251,7 @@ class _MatrixStep:
                 sends[m.owner[1]] += [grad_local[id(m)], param_local[id(m)]]
             owned = [m for m in sharded if m.owner[1] == self.tp_rank]
             sizes = [sum(2 * math.prod(m.local_shape(t)) for m in owned) for t in range(self.tp)]
-            recv = _exchange(self.tp_group, self.tp, sends, sizes, like)
+            recv = self._exchange(self.tp_group, self.tp, self.tp_rank, sends, sizes, like)
             at = [0] * self.tp
             for m in owned:
                 grads, params = [], []
@@ -279,7 +286,7 @@ class _MatrixStep:
                         sends[t].append(part)
             sizes = [sum(math.prod(m.local_shape(tp_local)) for m in sharded if m.owner[1] == t)
                      for t in range(self.tp)]
-            recv = _exchange(self.tp_group, self.tp, sends, sizes, like)
+            recv = self._exchange(self.tp_group, self.tp, self.tp_rank, sends, sizes, like)
             at = [0] * self.tp
             for m in sharded:
                 t, n = m.owner[1], math.prod(m.local_shape(tp_local))
@@ -294,7 +301,7 @@ class _MatrixStep:
                     sends[r].append(flat[m.ranges[r][0]:m.ranges[r][1]])
             sizes = [sum(m.ranges[self.dp_rank][1] - m.ranges[self.dp_rank][0] for m in ms if m.owner[0] == r)
                      for r in range(self.dp)]
-            recv = _exchange(self.dp_group, self.dp, sends, sizes, like)
+            recv = self._exchange(self.dp_group, self.dp, self.dp_rank, sends, sizes, like)
             at = [0] * self.dp
             for m in ms:
                 r = m.owner[0]
