@@ -1,0 +1,132 @@
+"""``tools/train.py`` survives what long runs meet: a preemption signal to one rank (every rank stops at the same step,
+checkpointed, exit 0; the resume continues the uninterrupted curve), ``--resume auto`` past an incomplete and a
+damaged checkpoint, bad steps (skipped, then a named error after a checkpoint of the last good state), and
+``--tensorboard`` (events read back). Tiny model, markov data, few steps; one real launch (the exit code), the other
+runs on the pooled ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vescale.core.errors import RankError
+from vescale.core.testing import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import config  # noqa: E402
+import resilience  # noqa: E402
+import train  # noqa: E402
+
+COMMON = ["--model", "gpt-tiny", "--data", "markov", "--batch-size", "8", "--seq-len", "16", "--lr", "3e-3",
+          "--warmup", "2", "--trace-steps", "0", "--mesh", "dp=2"]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _read_checkpoint(path: Path) -> dict:
+    """Every tensor of a checkpoint, whole, by its key."""
+    import torch
+
+    from vescale import checkpoint
+
+    info = checkpoint.inspect(path)["tensors"]
+    state = {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for k, v in info.items()}
+    checkpoint.load(path, state, strict=False)
+    return state
+
+
+def _rank_processes(launcher: int) -> list[int]:
+    """The launcher's rank processes (multiprocessing children started in rank order), by pid."""
+    kids = []
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        kids += [int(p) for p in (task / "children").read_text().split()]
+    ranks = [p for p in kids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return sorted(ranks)
+
+
+def test_sigterm_to_one_rank_checkpoints_exits_0_and_the_resume_continues_the_curve(tmp_path):
+    steps, cut, whole = 24, tmp_path / "cut", tmp_path / "whole"
+    job = subprocess.Popen([sys.executable, str(ROOT / "tools" / "train.py"), *COMMON, "--steps", str(steps),
+                            "--out", str(cut)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not ((cut / "metrics.jsonl").exists() and len(_records(cut)) >= 2):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+            time.sleep(0.02)
+        os.kill(_rank_processes(job.pid)[1], signal.SIGTERM)  # rank 1 only
+        output = job.communicate(timeout=600)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, output
+    done = len(_records(cut))
+    assert 2 <= done < steps, output
+    assert f"preempted (SIGTERM): stopped after step {done}" not in output  # rank 0 was not the one signalled
+    assert f"stopped after step {done}" in output, output
+    assert sorted(p.name for p in (cut / "ckpt").iterdir()) == [f"step_{done}"]
+
+    run_on_ranks(train.train, 2, config.parse_args([*COMMON, "--steps", str(steps), "--quiet", "--out", str(whole)],
+                                                   ""))
+    run_on_ranks(train.train, 2, config.parse_args([*COMMON, "--steps", str(steps), "--quiet", "--out", str(cut),
+                                                    "--resume", str(cut / "ckpt" / f"step_{done}")], ""))
+    got, want = [r["loss"] for r in _records(cut)], [r["loss"] for r in _records(whole)]
+    assert got == pytest.approx(want, rel=1e-6, abs=0), (got, want)
+
+
+def test_tensorboard_events_and_resume_auto_past_incomplete_and_damaged_checkpoints(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    cfg = config.parse_args([*COMMON, "--steps", "6", "--ckpt-every", "2", "--quiet", "--tensorboard",
+                             "--out", str(out)], "")
+    run_on_ranks(train.train, 2, cfg)
+    records = _records(out)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
+    for tag, key in (("train/lr", "lr"), ("train/grad_norm", "grad_norm"), ("perf/tokens_per_s", "tokens_per_s"),
+                     ("train/skipped_steps", "skipped"), ("perf/peak_memory_mb", "memory_mb")):
+        assert [e.value for e in events.Scalars(tag)] == pytest.approx([r[key] for r in records], rel=1e-6), tag
+
+    assert [p.name for p in resilience.checkpoints_newest_first(out)] == ["step_6", "step_4", "step_2"]
+    data = sorted(p for p in (out / "ckpt" / "step_6").iterdir() if p.name != "metadata.json")[0]
+    with open(data, "r+b") as f:  # one flipped byte in the newest checkpoint's data
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    (out / "ckpt" / "step_8").mkdir()  # a save that never committed
+    said = []
+    auto = config.parse_args([*COMMON, "--resume", "auto", "--out", str(out)], "")
+    resilience.auto_resume(auto, said.append)
+    assert auto.resume == str((out / "ckpt" / "step_4").resolve()), said
+    assert "step_8: incomplete" in said[0] and "step_6: damaged" in said[1], said
+
+    fresh = config.parse_args([*COMMON, "--resume", "auto", "--out", str(tmp_path / "empty")], "")
+    resilience.auto_resume(fresh, said.append)
+    assert fresh.resume is None and fresh.overwrite and "starting fresh" in said[-1]
+
+
+def test_bad_steps_are_skipped_then_stop_with_a_checkpoint_of_the_last_good_state(tmp_path):
+    import torch
+
+    out = tmp_path / "run"  # lr 1e30: the first update blows the weights up, every later loss is not finite
+    cfg = config.parse_args([*COMMON, "--steps", "6", "--lr", "1e30", "--warmup", "0", "--ckpt-every", "1",
+                             "--max-bad-steps", "1", "--quiet", "--out", str(out)], "")
+    with pytest.raises(RankError, match="NonFiniteStepError: step 3: 2 consecutive steps"):
+        run_on_ranks(train.train, 2, cfg)
+    assert [r["skipped"] for r in _records(out)] == [0, 1]
+    first, skipped, last_good = (_read_checkpoint(out / "ckpt" / f"step_{n}") for n in (1, 2, 3))
+    assert set(first) == set(last_good)
+    for key in first:  # the skipped steps changed no weight and no optimizer state
+        assert torch.equal(first[key], skipped[key]) and torch.equal(first[key], last_good[key]), key
