@@ -4,7 +4,7 @@ one process into the plain model with a plain ``torch.optim.AdamW``; each contin
 independent single-device run.
 
 An integration test: vescale-parallel builds the run (:func:`~vescale.parallel.parallelize_experts` over ``ep``,
-``DistributedDataParallel(data_dims=("ep",))``, :class:`~vescale.parallel.DistributedOptimizer`), vescale-checkpoint
+``DistributedDataParallel`` over the dp x ep mesh, :class:`~vescale.parallel.DistributedOptimizer`), vescale-checkpoint
 saves and loads it knowing ZeRO only through ``vescale.core.sharded_state``. ZeRO shards the dense parameters' state
 over the flattened dp x ep ranks and each expert parameter's over dp, within the ep rank's experts
 (``vescale.parallel.optimizer_state`` reports each piece as boxes of the global ``[E, ...]`` tensor).
@@ -98,13 +98,18 @@ def _zero(dp: int, ep: int, stage: int, tp: int = 1):
     """The tiny Mixtral with its experts over ``ep`` (``tp`` > 1: and ``mixtral_plan`` over tp, attention by heads and
     each expert's FFN inside its ep rank), in DDP over dp x ep (several buckets), ZeRO ``stage`` AdamW."""
     from vescale.core.mesh import init_mesh, sub_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, mixtral_plan, parallelize_experts
+    from vescale.parallel import (
+        DDPOptions,
+        DistributedDataParallel,
+        DistributedOptimizer,
+        mixtral_plan,
+        parallelize_experts,
+    )
 
     mesh = init_mesh({"dp": dp, "ep": ep, "tp": tp} if tp > 1 else {"dp": dp, "ep": ep})
     inner = sub_mesh(mesh, "ep", "tp") if tp > 1 else sub_mesh(mesh, "ep")
     model = parallelize_experts(_build(), inner, mixtral_plan(inner) if tp > 1 else None)
-    ddp = DistributedDataParallel(model, mesh, bucket_size_mb=0.01, zero_stage=2 if stage == 2 else 0,
-                                  data_dims=("ep",))
+    ddp = DistributedDataParallel(model, mesh, DDPOptions(bucket_size_mb=0.01, zero_stage=2 if stage == 2 else 0))
     return mesh, ddp, DistributedOptimizer(ddp, torch.optim.AdamW, zero_stage=stage, lr=LR, weight_decay=WD,
                                            eps=EPS)
 

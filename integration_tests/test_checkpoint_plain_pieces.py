@@ -3,7 +3,7 @@
 global ``[E, ...]`` tensors, with their optimizer state, and loaded on another layout.
 
 An integration test: vescale-parallel builds the layout (the experts operator over ep, ``DistributedDataParallel``
-with ``data_dims=("ep",)`` over dp1 x ep2, a plain AdamW or ZeRO-1 :class:`~vescale.parallel.DistributedOptimizer`),
+over the dp1 x ep2 mesh (ep a data dim), a plain AdamW or ZeRO-1 :class:`~vescale.parallel.DistributedOptimizer`),
 vescale-checkpoint saves and loads it knowing the layout only through the marks of ``vescale.core.sharded_state``.
 Every rank reports the boxes of the global tensors it holds (parameters, ``exp_avg`` / ``exp_avg_sq`` / ``step``):
 after one AdamW step they are assembled into the global tensors the checkpoint must hold; a load on one process (the
@@ -57,7 +57,7 @@ def _on_ep2(path: str, zero: int, save: bool) -> list[tuple[str, tuple[int, ...]
     r = mesh.get_local_rank("ep")
     model = _build()
     keep_local_experts(model, experts_as_operator(model, mesh), mesh)
-    ddp = DistributedDataParallel(model, mesh, data_dims=("ep",))
+    ddp = DistributedDataParallel(model, mesh)
     inner = torch.optim.AdamW(model.parameters(), lr=LR)
     opt = DistributedOptimizer(ddp, inner, zero_stage=zero) if zero else inner
     state = {"model": model, "optim": opt}

@@ -64,9 +64,10 @@ def _batch(i: int) -> torch.Tensor:
 
 def _zero(dp: int):
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
-    ddp = DistributedDataParallel(_net(), init_mesh({"dp": dp})["dp"], bucket_size_mb=0.0003)  # several buckets
+    mesh = init_mesh({"dp": dp})["dp"]
+    ddp = DistributedDataParallel(_net(), mesh, DDPOptions(bucket_size_mb=0.0003))  # several buckets
     return ddp, DistributedOptimizer(ddp, torch.optim.AdamW, zero_stage=1, lr=1e-2, weight_decay=0.1)
 
 

@@ -59,7 +59,7 @@ def ref():
 def _zero(dp: int, stage: int, tp: int = 1):
     """DDP + DistributedOptimizer(AdamW) over ``dp`` (several buckets), the net TP-sharded over ``tp`` if > 1."""
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
     net = _net()
     if tp > 1:
@@ -69,7 +69,7 @@ def _zero(dp: int, stage: int, tp: int = 1):
         net = parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
         mesh = init_mesh({"dp": dp})
-    ddp = DistributedDataParallel(net, mesh["dp"], bucket_size_mb=0.0003, zero_stage=2 if stage == 2 else 0)
+    ddp = DistributedDataParallel(net, mesh["dp"], DDPOptions(bucket_size_mb=0.0003, zero_stage=2 if stage == 2 else 0))
     return mesh, ddp, DistributedOptimizer(ddp, torch.optim.AdamW, zero_stage=stage, lr=LR, weight_decay=WD)
 
 

@@ -48,7 +48,13 @@ def _run(zero: int, dtensor_stages: bool = False) -> dict:
     from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh, sub_mesh
     from vescale.core.sharded_state import piece_of
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, clip_grad_norm_, parallelize_module
+    from vescale.parallel import (
+        DDPOptions,
+        DistributedDataParallel,
+        DistributedOptimizer,
+        clip_grad_norm_,
+        parallelize_module,
+    )
     from vescale.parallel.clip_grad import grad_norm
     from vescale.pipe import PipeEngine
 
@@ -65,8 +71,8 @@ def _run(zero: int, dtensor_stages: bool = False) -> dict:
         stage = parallelize_module(stage, sub_mesh(mesh, "tp"), {"parameter": {".*": [Replicate()]}}).to("cpu")
     engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss)
     ddps = []
-    engine.wrap_stages(lambda s, module, late: ddps.append(DistributedDataParallel(
-        module, dp, zero_stage=zero, late_params=late, wait_in_backward=False)) or ddps[-1])
+    engine.wrap_stages(lambda s, module: ddps.append(DistributedDataParallel(module, dp, DDPOptions(zero_stage=zero)))
+                       or ddps[-1])  # (the engine hands it the tied weight: vescale.pipe.StageGradSync)
     ddp = ddps[0]
     copies = engine.tied_copies()  # the engine marked them itself: left out of the norm, still clipped
     assert len(copies) == (1 if pp.get_local_rank() == 1 else 0), copies

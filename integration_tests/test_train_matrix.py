@@ -167,7 +167,7 @@ def test_context_parallel_matches_single_device(world_size, mesh, llama_referenc
 
 
 # Expert parallelism composed with vescale DDP: Mixtral's experts over ep, the dense parameters' gradients reduced
-# over dp x ep and the experts' over dp, bucketed (DistributedDataParallel(data_dims=("ep",))); ZeRO 2 shards each
+# over dp x ep and the experts' over dp, bucketed (DistributedDataParallel over the dp x ep mesh); ZeRO 2 shards each
 # group of buckets over its own ranks. Against the one-device Mixtral run (train.py's loss: no load-balancing term).
 EXPERT_PARALLEL = [(4, "dp=2,ep=2", {}), (4, "dp=2,ep=2", {"zero": 2})]
 

@@ -57,7 +57,7 @@ def _run(mesh_spec: str, schedule: str, reshard_after_forward: bool, bf16: bool 
     engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss,
                         schedule=schedule)
     precision = {"mp_policy": bf16_policy(), "master_dtype": torch.float32} if bf16 else {}
-    engine.wrap_stages(lambda s, module, late: fully_shard_stage(
+    engine.wrap_stages(lambda s, module: fully_shard_stage(
         module, mesh, reshard_after_forward=reshard_after_forward, **precision))
     engine.step(*mine)  # a first step, cleared as zero_grad(set_to_none=True) clears it: the checked step is second
     for p in engine.parameters():
@@ -137,7 +137,7 @@ def _refused(schedule: str) -> str:
     engine = PipeEngine({pp.get_local_rank(): stage}, pp, num_stages=2, num_microbatches=M, loss_fn=_loss,
                         schedule=schedule)
     try:
-        engine.wrap_stages(lambda s, module, late: fully_shard_stage(module, mesh))
+        engine.wrap_stages(lambda s, module: fully_shard_stage(module, mesh))
     except PipeError as exc:
         return str(exc)
     return ""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vescale.core.comm import count_comms
-from vescale.core.launch import init_distributed, spawn
+from vescale.core.launch import init_distributed, rank_device, spawn
 from vescale.core.mesh import mesh_coordinates
 from vescale.core.watchdog import watch_collectives
 
@@ -44,7 +44,7 @@ TOOLS = str(Path(__file__).resolve().parent)
 if TOOLS not in sys.path:  # config, models, data and report live next to this file (tests load it by path)
     sys.path.insert(0, TOOLS)
 import models  # noqa: E402
-from config import TrainConfig, check_fits, lr_at, parse_args, prepare_out  # noqa: E402
+from config import TrainConfig, check_fits, lr_at, parallel_spec, parse_args, prepare_out  # noqa: E402
 from data import DataError, open_data, resume_offset  # noqa: E402
 from evaluate import TextMonitor  # noqa: E402
 from report import RunLog, TimelineWindow, dump_grads, gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
@@ -55,15 +55,6 @@ def log(cfg: TrainConfig, message: str) -> None:
     """One line on rank 0's stdout, unless ``--quiet``."""
     if not cfg.quiet and dist.get_rank() == 0:
         print(f"train.py: {message}", flush=True)
-
-
-def rank_device() -> torch.device:
-    """This rank's device, where the model, the batches and every collective's tensors live: NCCL (GPU runs) takes
-    CUDA tensors only, ``cuda:<current device>`` (set to the local rank by ``init_distributed`` / ``spawn``); gloo the
-    CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
@@ -104,10 +95,11 @@ class Trainer:
 
 
 def build_trainer(cfg: TrainConfig) -> Trainer:
-    """Build the model as this rank holds it on ``cfg``'s mesh (``vescale.plan.build``) and its optimizer."""
+    """Build the model as this rank holds it on ``cfg``'s mesh (``vescale.plan.build``) and its optimizer. (``main``
+    ran ``check_fits`` before any rank started; ``build``'s own spec check is the rank-side refusal.)"""
     from vescale.plan import build
 
-    spec, t0 = check_fits(cfg), time.perf_counter()
+    spec, t0 = parallel_spec(cfg), time.perf_counter()
     model = build_model(cfg, rank_device())
     num_params, whole_bytes = sum(p.numel() for p in model.parameters()), state_bytes([model])
     flops = models.flops_per_token(models.matmul_params(model), models.model_spec(cfg.model), cfg.seq_len)

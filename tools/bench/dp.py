@@ -138,7 +138,7 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     elif method == "vescale_ddp":
-        from vescale.parallel import DistributedDataParallel
+        from vescale.parallel import DDPOptions, DistributedDataParallel
 
         model = DistributedDataParallel(model, dist.group.WORLD)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -152,10 +152,10 @@ def _train(method: str, cfg, batch: int, seq: int, steps: int, device, cuda: boo
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     elif method in ("vescale_zero1", "vescale_zero2"):
-        from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+        from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
         stage = _STAGE[method]
-        model = DistributedDataParallel(model, dist.group.WORLD, zero_stage=stage if stage == 2 else 0)
+        model = DistributedDataParallel(model, dist.group.WORLD, DDPOptions(zero_stage=stage if stage == 2 else 0))
         opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=stage, lr=1e-4)
     elif method == "torch_fsdp2":
         from torch.distributed.device_mesh import init_device_mesh

@@ -121,7 +121,7 @@ def _rank_dp(cfg: dict) -> dict:
     from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh, sub_mesh
     from vescale.core.testing.models import GPT, GPTConfig, cross_entropy
-    from vescale.parallel import DistributedDataParallel
+    from vescale.parallel import DDPOptions, DistributedDataParallel
     from vescale.pipe import PipeEngine, split
 
     torch.set_num_threads(cfg["threads"])
@@ -139,8 +139,9 @@ def _rank_dp(cfg: dict) -> dict:
                       dp_group=data_mesh.get_group())
     overlapped = PipeEngine({s: ddp_stage}, pp_mesh, num_stages=P, num_microbatches=M, loss_fn=cross_entropy)
     wrappers: list = []
-    overlapped.wrap_stages(lambda index, stage, late: wrappers.append(DistributedDataParallel(
-        stage, data_mesh, bucket_size_mb=cfg["bucket_mb"], late_params=late, wait_in_backward=False)) or wrappers[-1])
+    options = DDPOptions(bucket_size_mb=cfg["bucket_mb"])  # (the engine tells it the tied weights: StageGradSync)
+    overlapped.wrap_stages(lambda index, stage: wrappers.append(DistributedDataParallel(stage, data_mesh, options))
+                           or wrappers[-1])
     ddp = wrappers[0]
     g = torch.Generator().manual_seed(1 + data_mesh.get_local_rank())  # each dp rank its own rows
     x = torch.randint(0, cfg["vocab"], (M * mb, seq), generator=g)

@@ -266,6 +266,7 @@ def _train_dp_tp(how: str, stage: int, mesh, batches):
 
     from vescale.core.mesh import mesh_coordinates
     from vescale.parallel import (
+        DDPOptions,
         DistributedDataParallel,
         DistributedOptimizer,
         compile_parallel,
@@ -280,7 +281,7 @@ def _train_dp_tp(how: str, stage: int, mesh, batches):
         compile_parallel(model, backend="aot_eager")
     elif how == "whole":
         model.compile(backend=counter, fullgraph=True)
-    ddp = DistributedDataParallel(model, mesh, bucket_size_mb=0.004, zero_stage=stage)
+    ddp = DistributedDataParallel(model, mesh, DDPOptions(bucket_size_mb=0.004, zero_stage=stage))
     if stage == 0:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=0.9)
     else:

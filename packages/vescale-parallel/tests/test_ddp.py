@@ -84,7 +84,7 @@ def test_ddp_and_zero_match_single_device(world_size, ref):
     import torch.distributed as dist
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
     ref_losses, _, ref_state = ref["plain"]
     clip_losses, clip_norms, clip_state = ref["clip"]
@@ -93,7 +93,7 @@ def test_ddp_and_zero_match_single_device(world_size, ref):
     full_state_bytes = 2 * 4 * sum(p.numel() for p in _model().parameters())  # AdamW: exp_avg + exp_avg_sq fp32
 
     # ZeRO 0: DDP + an unmodified torch AdamW; tiny buckets so there are many, reduced during backward.
-    model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004)
+    model = DistributedDataParallel(_model(), mesh, DDPOptions(bucket_size_mb=0.004))
     assert len(model.buckets) > 3
     launched_before_end = []
     end_of_backward = model._end_of_backward
@@ -109,7 +109,7 @@ def test_ddp_and_zero_match_single_device(world_size, ref):
     assert len(launched_before_end) == STEPS and min(launched_before_end) >= len(model.buckets) - 1
 
     # ZeRO 0 with grad accumulation (no_sync) and overlap off.
-    model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, overlap=False)
+    model = DistributedDataParallel(_model(), mesh, DDPOptions(bucket_size_mb=0.004, overlap=False))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     _assert_close_curve(_train(model, opt, rank, world_size, accum=2), ref_losses, what="zero0+accum")
     _assert_weights(model, ref_state, "zero0+accum")
@@ -117,7 +117,7 @@ def test_ddp_and_zero_match_single_device(world_size, ref):
     for stage, accum, clip in ((1, 1, 0.5), (2, 2, 0.5), (2, 1, None)):
         if True:
             what = f"zero{stage} accum={accum} clip={clip}"
-            model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, zero_stage=stage)
+            model = DistributedDataParallel(_model(), mesh, DDPOptions(bucket_size_mb=0.004, zero_stage=stage))
             opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=stage, clip_grad=clip, lr=LR,
                                        weight_decay=0.1)
             norms = []
@@ -146,13 +146,13 @@ def test_zero_state_dict_round_trip_and_layout(world_size, ref):
 
     from vescale.core.mesh import init_mesh
     from vescale.dtensor import RaggedShard
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, ZeroError
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer, ZeroError
 
     ref_losses, _, ref_state = ref["plain"]
     mesh = init_mesh({"dp": world_size})
     rank = dist.get_rank()
 
-    model = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, zero_stage=1)
+    model = DistributedDataParallel(_model(), mesh, DDPOptions(bucket_size_mb=0.004, zero_stage=1))
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
     first = _train(model, opt, rank, world_size, steps=10)
     sd = opt.state_dict()
@@ -174,7 +174,7 @@ def test_zero_state_dict_round_trip_and_layout(world_size, ref):
     torch.manual_seed(123)  # a different init, overwritten by the loaded weights and state
     fresh = _model(seed=7)
     fresh.load_state_dict(weights)
-    model2 = DistributedDataParallel(fresh, mesh, bucket_size_mb=0.004, zero_stage=1)
+    model2 = DistributedDataParallel(fresh, mesh, DDPOptions(bucket_size_mb=0.004, zero_stage=1))
     opt2 = DistributedOptimizer(model2, torch.optim.AdamW, lr=1.0, weight_decay=0.0)
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == LR
@@ -183,7 +183,7 @@ def test_zero_state_dict_round_trip_and_layout(world_size, ref):
     _assert_weights(model2, ref_state, "resumed")
 
     # A different bucket layout is refused, naming the parameter.
-    model3 = DistributedDataParallel(_model(), mesh, bucket_size_mb=1, zero_stage=1)
+    model3 = DistributedDataParallel(_model(), mesh, DDPOptions(bucket_size_mb=1, zero_stage=1))
     opt3 = DistributedOptimizer(model3, torch.optim.AdamW, lr=LR)
     with pytest.raises(ZeroError, match="reshard with vescale-checkpoint"):
         opt3.load_state_dict(sd)
@@ -197,11 +197,12 @@ def test_bf16_params_with_fp32_master_converge_like_fp32(world_size, ref):
     import torch.distributed as dist
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
     ref_losses, _, ref_state = ref["plain"]
     mesh = init_mesh({"dp": world_size})
-    model = DistributedDataParallel(_model().to(torch.bfloat16), mesh, zero_stage=2, grad_dtype=torch.float32)
+    options = DDPOptions(zero_stage=2, grad_dtype=torch.float32)
+    model = DistributedDataParallel(_model().to(torch.bfloat16), mesh, options)
     opt = DistributedOptimizer(model, torch.optim.AdamW, zero_stage=2, lr=LR, weight_decay=0.1)
     assert all(pc.master.dtype == torch.float32 for pc in opt.pieces.values())
     assert opt.master_bytes() > 0
@@ -222,11 +223,11 @@ def test_bad_input_raises_clear_errors():
     import torch
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DDPError, DistributedDataParallel, DistributedOptimizer, ZeroError
+    from vescale.parallel import DDPError, DDPOptions, DistributedDataParallel, DistributedOptimizer, ZeroError
 
     mesh = init_mesh({"dp": 1, "tp": 1})
     with pytest.raises(DDPError, match="zero_stage must be 0, 1 or 2.*fully_shard"):
-        DistributedDataParallel(_model(), mesh, zero_stage=3)
+        DistributedDataParallel(_model(), mesh, DDPOptions(zero_stage=3))
     with pytest.raises(DDPError, match=r"dimensions \['pp', 'tp'\].*'dp' dimension"):
         DistributedDataParallel(_model(), init_mesh({"pp": 1, "tp": 1}))
     with pytest.raises(DDPError, match="DeviceMesh or ProcessGroup, got str"):
@@ -235,7 +236,7 @@ def test_bad_input_raises_clear_errors():
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().t().contiguous().t())
     with pytest.raises(DDPError, match="lm_head.weight.*not contiguous"):
         DistributedDataParallel(model, mesh)
-    ddp = DistributedDataParallel(_model(), mesh, zero_stage=1)
+    ddp = DistributedDataParallel(_model(), mesh, DDPOptions(zero_stage=1))
     with pytest.raises(ZeroError, match="needs a vescale.parallel.DistributedDataParallel"):
         DistributedOptimizer(_model(), torch.optim.AdamW)
     with pytest.raises(ZeroError, match=r"zero_stage=2\) needs a DistributedDataParallel with zero_stage=2, got .*=1"):
@@ -297,3 +298,33 @@ def test_low_precision_grad_semantics_match_single_device(world_size):
         p.grad = None  # what torch.optim's zero_grad() does
     _two_layer_loss(model.module, rows).backward()
     check(1)
+
+
+def test_removed_keywords_are_refused_naming_their_new_spelling():
+    """The pipeline's and expert parallelism's old keywords (and the options as keywords) are not in the signature;
+    passing one raises DDPError naming what replaced it, before any process group or collective is needed."""
+    import inspect
+
+    import torch
+
+    from vescale.parallel import DDPError, DDPOptions, DistributedDataParallel
+
+    assert list(inspect.signature(DistributedDataParallel.__init__).parameters) == [
+        "self", "module", "mesh", "options", "removed"]
+    model = torch.nn.Linear(2, 2)
+    cases = {"late_params": ([], r"late_params= is gone: .*ddp\.defer_grad_sync\(params\)"),
+             "wait_in_backward": (False, r"wait_in_backward= is gone: ddp\.defer_grad_sync\(\(\)\)"),
+             "data_dims": (("ep",), r"data_dims= is gone: pass the mesh with those dims"),
+             "local_shards": ({}, r"local_shards= is gone: .*mark_piece\(p, groups="),
+             "zero_stage": (2, r"zero_stage=2 is an option: pass DistributedDataParallel\(module, mesh, "
+                               r"DDPOptions\(zero_stage=2\)\)")}
+    for name, (value, message) in cases.items():
+        with pytest.raises(DDPError, match=message):
+            DistributedDataParallel(model, None, **{name: value})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['bucket_mb'\]"):
+        DistributedDataParallel(model, None, bucket_mb=1)
+    with pytest.raises(DDPError, match="bucket_size_mb must be positive, got 0"):
+        DDPOptions(bucket_size_mb=0)
+    assert DDPOptions(zero_stage=2) == DDPOptions(zero_stage=2) != DDPOptions()
+    ddp = DistributedDataParallel(model, None, DDPOptions(grad_dtype=None))  # one data rank: no process group needed
+    assert ddp.options.grad_dtype is None and ddp.grad_buffers[0].data.dtype == torch.float32

@@ -4,11 +4,11 @@ Two backwards before one optimizer step: either both synchronised (no ``zero_gra
 gradient adds to the first's, as ``.grad`` accumulates on one device) or a ``no_sync`` micro-step then a synchronised
 one. Layouts, each on dp1 x ep2 (2 ranks) and dp2 x ep2 (4 ranks), a tiny Hugging Face Mixtral in fp32:
 
-- ``dtensor``: :func:`~vescale.parallel.parallelize_experts` over the ep sub-mesh, DDP with ``data_dims=("ep",)``
-  (dense gradients reduced over dp x ep as summands, experts over dp);
+- ``dtensor``: :func:`~vescale.parallel.parallelize_experts` over the ep sub-mesh, DDP over the dp x ep mesh (ep a
+  data dim; dense gradients reduced over dp x ep as summands, experts over dp);
 - ``local``: plain tensors (experts kept as ``[E / ep, ...]`` slices, marked as pieces over ep), as a pipeline stage
   holds them;
-- ``plain``: the unmodified model, DDP over all ranks as one dp dim (no ``data_dims``).
+- ``plain``: the unmodified model, DDP over all ranks as one dp dim (no data dim besides dp).
 
 ZeRO 0 (torch SGD on ``.grad``), 1 and 2 (:class:`~vescale.parallel.DistributedOptimizer`). The reference is the
 untouched model on one process: the gradient of the sum of both micro-steps' losses (each micro-step's loss is
@@ -82,7 +82,7 @@ def _run(layout: str, zero: int, mode: str, dp: int, ref) -> dict[str, float]:
     from torch.distributed.tensor import DTensor
 
     from vescale.core.mesh import init_mesh, sub_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, parallelize_experts
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer, parallelize_experts
     from vescale.parallel.experts import experts_as_operator, keep_local_experts
 
     ep = 2
@@ -93,12 +93,12 @@ def _run(layout: str, zero: int, mode: str, dp: int, ref) -> dict[str, float]:
     local: list[str] = []
     if layout == "dtensor":
         parallelize_experts(model, sub_mesh(mesh, "ep"))
-        ddp = DistributedDataParallel(model, mesh, zero_stage=2 if zero == 2 else 0, data_dims=("ep",))
+        ddp = DistributedDataParallel(model, mesh, DDPOptions(zero_stage=2 if zero == 2 else 0))
     elif layout == "local":
         local = keep_local_experts(model, experts_as_operator(model, mesh), mesh)
-        ddp = DistributedDataParallel(model, mesh, zero_stage=2 if zero == 2 else 0, data_dims=("ep",))
+        ddp = DistributedDataParallel(model, mesh, DDPOptions(zero_stage=2 if zero == 2 else 0))
     else:
-        ddp = DistributedDataParallel(model, init_mesh({"dp": dp * ep}), zero_stage=2 if zero == 2 else 0)
+        ddp = DistributedDataParallel(model, init_mesh({"dp": dp * ep}), DDPOptions(zero_stage=2 if zero == 2 else 0))
     if zero:
         opt = DistributedOptimizer(ddp, torch.optim.SGD(model.parameters(), lr=LR), zero_stage=zero)
     else:
@@ -162,7 +162,7 @@ def test_summand_scaled_by_the_data_dims():
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel.ddp import _as_summand
+    from vescale.parallel._grad_buckets import _as_summand
 
     mesh = init_mesh({"ep": 2})
     r = mesh.get_local_rank("ep")

@@ -68,7 +68,7 @@ def test_dp_x_tp_matches_single_device(world_size, ref):
     from torch.distributed.tensor import DTensor
 
     from vescale.core.mesh import init_mesh, mesh_coordinates
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, gpt_plan, parallelize_module
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer, gpt_plan, parallelize_module
 
     mesh = init_mesh({"dp": 2, "tp": 2})
     dp_rank = mesh_coordinates(mesh)["dp"]
@@ -81,7 +81,7 @@ def test_dp_x_tp_matches_single_device(world_size, ref):
             tp_model = _tensor_parallel(_model(), mesh["tp"])
         else:
             tp_model = parallelize_module(_model(), mesh["tp"], gpt_plan(mesh["tp"], dp=None, sequence_parallel=True))
-        model = DistributedDataParallel(tp_model, mesh, bucket_size_mb=0.004, zero_stage=stage)
+        model = DistributedDataParallel(tp_model, mesh, DDPOptions(bucket_size_mb=0.004, zero_stage=stage))
         assert isinstance(model.module.layers[0].attn.wq.weight, DTensor)
         if stage == 0:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)

@@ -4,7 +4,7 @@
 On dp1 x ep2 (2 ranks) a tiny Hugging Face Mixtral gets the experts operator and keeps each ep rank's two of four
 experts as plain ``[2, ...]`` tensors. Checked: each kept parameter's mark (global shape ``[4, ...]``, offsets at its
 rows ``[2 r, 2 r + 2)``, the ep group) and its values (those rows of the whole model's); then, after one ZeRO-1 AdamW
-step over DDP with ``data_dims=("ep",)``, the optimizer's ``sharded_state_dict`` places each expert's ``exp_avg`` in
+step over DDP on the dp x ep mesh, the optimizer's ``sharded_state_dict`` places each expert's ``exp_avg`` in
 the global tensor's coordinates at those rows (data: AdamW's first moment, ``(1 - beta1)`` times the reduced
 gradient, compared elementwise), the dense parameters' boxes stay in their own tensors, each master piece is marked
 with the groups a clip norm sums it over, and a parameter marked ``counts_in_norm=False`` passes that on to its
@@ -44,7 +44,7 @@ def test_kept_experts_are_marked_rows_of_the_global_tensor_and_zero_places_their
     frozen = "model.norm.weight"  # as a pipeline engine marks a tied weight's later copies
     mark_piece(params[frozen], counts_in_norm=False)
 
-    ddp = DistributedDataParallel(model, mesh, data_dims=("ep",))
+    ddp = DistributedDataParallel(model, mesh)
     opt = DistributedOptimizer(ddp, torch.optim.AdamW(model.parameters(), lr=1e-2), zero_stage=1)
     g = torch.Generator().manual_seed(3)
     tokens, labels = torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)

@@ -9,7 +9,7 @@ off per token, and on ``tools/train.py --model mixtral`` dp2 x ep2 (``--grad-acc
 full``) one token of 128 switched in the last layer, whose router, experts and post-attention norm gradients were then
 up to 9.4 % (norm) and 13.5 % (element) off one device; with the ep run's top-k forced to one device's, 1.5 %.
 
-The second test (dp2 x ep2, ``DistributedDataParallel(data_dims=("ep",))`` with fp32 gradient buffers, Hugging
+The second test (dp2 x ep2, ``DistributedDataParallel`` over the dp x ep mesh with fp32 gradient buffers, Hugging
 Face's eager experts, whose own loop rounds each choice into a bf16 sum) forces the routing, so that a rounding flip
 cannot decide it: a forward hook on each router records one device's top-k indices, and in the expert-parallel run
 replaces the router's top-k by those indices, with the weights the router's own softmax gives them, renormalised
@@ -140,7 +140,7 @@ def test_dp_ep_bf16_with_one_devices_routing_matches_single_device():
 
     from vescale.core.mesh import init_mesh, sub_mesh
     from vescale.core.testing.reference import one_thread
-    from vescale.parallel import DistributedDataParallel, parallelize_experts
+    from vescale.parallel import DDPOptions, DistributedDataParallel, parallelize_experts
 
     with one_thread():
         ref_grads, ref_loss, ref_top_k = _reference(dp=2)
@@ -152,7 +152,7 @@ def test_dp_ep_bf16_with_one_devices_routing_matches_single_device():
         for router in _routers(model):
             router.register_forward_hook(_pin(pinned, calls))
         model = parallelize_experts(model, sub_mesh(mesh, "ep"))
-        ddp = DistributedDataParallel(model, mesh, data_dims=("ep",), grad_dtype=torch.float32)
+        ddp = DistributedDataParallel(model, mesh, DDPOptions(grad_dtype=torch.float32))
         tokens, labels = _batch()
         x, y = tokens.chunk(2)[d].chunk(2)[e], labels.chunk(2)[d].chunk(2)[e]
         loss = ddp(input_ids=x, labels=y).loss  # the dp slice's loss, on every ep rank of it

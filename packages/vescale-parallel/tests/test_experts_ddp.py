@@ -1,9 +1,10 @@
-"""Expert parallelism composed with vescale DDP and ZeRO 1/2 (``DistributedDataParallel(..., data_dims=("ep",))``).
+"""Expert parallelism composed with vescale DDP and ZeRO 1/2 (``DistributedDataParallel`` over the dp x ep mesh).
 
 Mesh dp2 x ep2 (4 ranks). The model (a tiny Hugging Face Mixtral, fp32, with its own loss and load-balancing loss)
 is parallelized by :func:`vescale.parallel.parallelize_experts` over the ``ep`` sub-mesh and wrapped in
-:class:`~vescale.parallel.DistributedDataParallel` over the whole mesh with ``data_dims=("ep",)``: dense parameters
-are reduced over dp x ep (one flat group), experts over dp. Each rank passes its rows (dp slice, then its ep part).
+:class:`~vescale.parallel.DistributedDataParallel` over the whole mesh (whose ep dim splits the batch): dense
+parameters are reduced over dp x ep (one flat group), experts over dp. Each rank passes its rows (dp slice, then its
+ep part).
 
 What DDP computes is the single-device gradient of the mean over dp of each dp slice's loss: one device accumulating
 ``loss(slice d) / dp`` over the dp slices (the load-balancing loss is a function of a whole batch, so it is per slice,
@@ -71,13 +72,19 @@ def _run(zero: int, clip: float, ref) -> dict:
 
     from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh, sub_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, clip_grad_norm_, parallelize_experts
+    from vescale.parallel import (
+        DDPOptions,
+        DistributedDataParallel,
+        DistributedOptimizer,
+        clip_grad_norm_,
+        parallelize_experts,
+    )
 
     ref_losses, ref_norms, ref_grads, ref_params = ref
     mesh = init_mesh({"dp": 2, "ep": 2})
     d, e = mesh.get_local_rank("dp"), mesh.get_local_rank("ep")
     model = parallelize_experts(_build(), sub_mesh(mesh, "ep"))
-    ddp = DistributedDataParallel(model, mesh, zero_stage=2 if zero == 2 else 0, data_dims=("ep",))
+    ddp = DistributedDataParallel(model, mesh, DDPOptions(zero_stage=2 if zero == 2 else 0))
     # two reductions: dense parameters over dp x ep, experts over dp (small model: one bucket each)
     assert sorted({b.buffer.reduction.name for b in ddp.buckets}) == ["dp", "dp+ep"]
     for slot in ddp.slots.values():
@@ -136,7 +143,7 @@ def test_dp_ep_ddp_and_zero_match_single_device():
     # The gradient reductions are bucketed: in backward one all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2) per
     # bucket, two buckets (dense over dp x ep, experts over dp). Nothing else reduces a gradient: the other
     # all-reduces (the routing's and the loss's scalars, over ep) move fewer bytes than the smallest parameter's
-    # gradient (a norm weight, 32 fp32), where before DDP's data_dims each parameter was all-reduced over ep.
+    # gradient (a norm weight, 32 fp32), where without DDP's data dims each parameter was all-reduced over ep.
     smallest = min(p.numel() for p in _build().parameters()) * 4
     for zero, c in counts.items():
         grad_op = "reduce_scatter_tensor" if zero == 2 else "all_reduce"
@@ -158,10 +165,10 @@ def test_data_dims_errors_before_any_collective():
     mixed = parallelize_experts(_build(), sub_mesh(mesh, "ep"))  # a plain parameter among DTensors over ep
     mixed.model.embed_tokens.weight = torch.nn.Parameter(torch.zeros_like(mixed.model.embed_tokens.weight.to_local()))
     with pytest.raises(DDPError, match=r"parameter 'model\.embed_tokens\.weight' is not a DTensor over data dim 'ep'"):
-        DistributedDataParallel(mixed, mesh, data_dims=("ep",))
+        DistributedDataParallel(mixed, mesh)
     model = parallelize_experts(_build(), sub_mesh(mesh, "ep"))
-    with pytest.raises(DDPError, match=r"data_dims \['ep'\] need a DeviceMesh with dims 'dp' and \['ep'\]"):
-        DistributedDataParallel(model, mesh.get_group("dp"), data_dims=("ep",))
+    with pytest.raises(DDPError, match=r"data_dims= is gone: pass the mesh with those dims"):
+        DistributedDataParallel(model, mesh, data_dims=("ep",))
 
 
 @multi_rank(world_sizes=[2])
@@ -173,7 +180,7 @@ def test_gradient_as_summand_over_a_data_dim():
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel.ddp import _as_summand
+    from vescale.parallel._grad_buckets import _as_summand
 
     mesh = init_mesh({"ep": 2})
     r = mesh.get_local_rank("ep")

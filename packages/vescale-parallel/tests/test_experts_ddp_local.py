@@ -1,4 +1,4 @@
-"""DDP over plain-tensor expert parallelism (``DistributedDataParallel(..., data_dims=("ep",))`` over plain
+"""DDP over plain-tensor expert parallelism (``DistributedDataParallel`` over a dp x ep mesh, plain
 parameters, the experts marked as pieces over ep), the layout of a captured pipeline stage under pp x ep.
 
 Mesh dp2 x ep2 (4 ranks). A tiny Hugging Face Mixtral (fp32, no load-balancing term: with plain per-rank tensors the
@@ -6,7 +6,7 @@ router sees only its rank's rows) gets :func:`~vescale.parallel.experts.experts_
 :func:`~vescale.parallel.experts.keep_local_experts`: each rank holds its two of the four experts as plain
 ``[2, ...]`` tensors and every dense parameter as a plain replica. DDP learns which parameters are local experts from
 their marks (``mark_piece(..., groups={"ep": group})``, set by ``keep_local_experts``) and is driven as
-``PipeEngine`` drives a stage DDP: ``wait_in_backward=False``, then
+``PipeEngine`` drives a stage DDP (``vescale.pipe.StageGradSync``): ``defer_grad_sync()``, then
 ``finish_grad_sync()``. Each (dp, ep) rank backpropagates its rows' mean loss / ep (its share of the step's loss).
 
 The reference is the untouched model in this process (Hugging Face's eager experts, nothing of vescale): one device
@@ -63,7 +63,7 @@ def _run(zero: int, clip: float, ref) -> dict:
 
     from vescale.core.comm import count_comms
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer, clip_grad_norm_
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer, clip_grad_norm_
     from vescale.parallel.experts import experts_as_operator, keep_local_experts
 
     ref_norms, ref_grads, ref_params = ref
@@ -72,8 +72,8 @@ def _run(zero: int, clip: float, ref) -> dict:
     model = _build()
     experts = experts_as_operator(model, mesh)
     local = keep_local_experts(model, experts, mesh)
-    ddp = DistributedDataParallel(model, mesh, zero_stage=2 if zero == 2 else 0, data_dims=("ep",),
-                                  wait_in_backward=False)
+    ddp = DistributedDataParallel(model, mesh, DDPOptions(zero_stage=2 if zero == 2 else 0))
+    ddp.defer_grad_sync()  # as PipeEngine drives a stage's DDP (vescale.pipe.StageGradSync)
     for slot in ddp.slots.values():
         assert slot.buffer.reduction.name == ("dp" if slot.fqn in local else "dp+ep"), slot.fqn
     buckets = {name: sum(b.buffer.reduction.name == name for b in ddp.buckets) for name in ("dp", "dp+ep")}
@@ -138,8 +138,9 @@ def test_stage_ddp_with_plain_experts_matches_single_device_one_reduction_per_gr
 
 @multi_rank(world_sizes=[4])
 def test_piece_marks_errors_before_any_collective():
-    """A plain model with data_dims and no marks is replicated over dp x ep; a piece over dp, a piece whose group is
-    not the mesh's, a DTensor marked as a piece, and plain parameters among DTensors are refused, naming the FQN."""
+    """A plain model on a mesh with data dims and no marks is replicated over dp x ep; a piece over dp, a piece whose
+    group is not the mesh's, a DTensor marked as a piece, and plain parameters among DTensors are refused, naming the
+    FQN."""
     import torch
 
     from vescale.core.mesh import init_mesh, sub_mesh
@@ -149,7 +150,7 @@ def test_piece_marks_errors_before_any_collective():
 
     mesh = init_mesh({"dp": 2, "ep": 2})
     name = "model.layers.0.mlp.experts.down_proj"
-    replicas = DistributedDataParallel(_build(), mesh, data_dims=("ep",))
+    replicas = DistributedDataParallel(_build(), mesh)
     assert {s.buffer.reduction.name for s in replicas.slots.values()} == {"dp+ep"}
 
     def marked(**groups):
@@ -159,16 +160,16 @@ def test_piece_marks_errors_before_any_collective():
 
     with pytest.raises(DDPError, match=r"parameter '.*down_proj' is marked as a piece over 'dp' .* the dim DDP "
                                        r"averages over"):
-        DistributedDataParallel(marked(dp=mesh.get_group("dp")), mesh, data_dims=("ep",))
+        DistributedDataParallel(marked(dp=mesh.get_group("dp")), mesh)
     with pytest.raises(DDPError, match=r"'.*down_proj' is marked as a piece over 'ep' with ranks \[.*\], but the DDP "
                                        r"mesh's dim 'ep' holds ranks"):
-        DistributedDataParallel(marked(ep=mesh.get_group("dp")), mesh, data_dims=("ep",))
+        DistributedDataParallel(marked(ep=mesh.get_group("dp")), mesh)
     model = parallelize_experts(_build(), sub_mesh(mesh, "ep"))
     mark_piece(model.get_parameter(name), groups={"ep": mesh.get_group("ep")})
     with pytest.raises(DDPError, match=r"'.*down_proj' is a DTensor .* marked as a piece over data dims \['ep'\]"):
-        DistributedDataParallel(model, mesh, data_dims=("ep",))
+        DistributedDataParallel(model, mesh)
     model = parallelize_experts(_build(), sub_mesh(mesh, "ep"))
     model.lm_head.weight = torch.nn.Parameter(torch.zeros(64, 32))
     with pytest.raises(DDPError, match=r"parameter 'lm_head\.weight' is not a DTensor over data dim 'ep' but a plain "
                                        r"tensor, while .* is a DTensor over \['ep'\]"):
-        DistributedDataParallel(model, mesh, data_dims=("ep",))
+        DistributedDataParallel(model, mesh)

@@ -3,7 +3,7 @@
 A tiny unmodified Hugging Face Mixtral (fp32, eager experts, no load-balancing term: with plain per-rank tensors the
 router sees only its rank's rows) on ep=2: each rank keeps its two of the four experts as plain tensors
 (``keep_local_experts``) and runs the model on its own rows, backpropagating its share of the loss (its rows' mean /
-ep) through ``DistributedDataParallel(data_dims=("ep",))`` (the experts marked pieces over ep) over dp=1 x ep=2; the
+ep) through ``DistributedDataParallel`` over the mesh (the experts marked pieces over ep) over dp=1 x ep=2; the
 mean of the ranks' losses, every dense gradient (summed over ep by DDP) and each rank's slice of every expert gradient
 (summed over ep by the all-to-all) equal the untouched model's on the whole batch in this process (rtol 1e-5).
 ``torch.export`` of the model keeps each MoE block's dispatch as one ``vescale::ep_experts`` node (what lets
@@ -50,7 +50,7 @@ def test_operator_dispatch_matches_single_device_and_exports_as_one_node():
 
     replaced = keep_local_experts(par, experts, mesh)
     assert sorted(replaced) == sorted(f for info in experts for f in info.params) and len(replaced) == 2 * LAYERS
-    ddp = DistributedDataParallel(par, mesh, data_dims=("ep",))  # the experts: marked pieces over ep
+    ddp = DistributedDataParallel(par, mesh)  # the experts: marked pieces over ep
     loss = ddp(input_ids=tokens.chunk(2)[rank], labels=labels.chunk(2)[rank]).loss
     (loss / 2).backward()  # this rank's share; DDP reduces in backward (.grad: its fp32 buffer)
     named = list(par.named_parameters())

@@ -73,7 +73,7 @@ def test_accumulated_gradient_equals_one_device_full_batch(world_size, zero_stag
     import torch.distributed as dist
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
     mesh = init_mesh({"dp": world_size})
     rank = dist.get_rank()
@@ -86,7 +86,7 @@ def test_accumulated_gradient_equals_one_device_full_batch(world_size, zero_stag
     assert not torch.equal(others[0], others[1]), "the dp ranks must see different rows"
 
     # Tiny buckets, so a step has several reductions to count.
-    ddp = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.004, zero_stage=zero_stage)
+    ddp = DistributedDataParallel(_model(), mesh, DDPOptions(bucket_size_mb=0.004, zero_stage=zero_stage))
     opt = (DistributedOptimizer(ddp, torch.optim.SGD, zero_stage=zero_stage, lr=0.1) if zero_stage
            else torch.optim.SGD(ddp.parameters(), lr=0.1))
     assert len(ddp.buckets) > 2

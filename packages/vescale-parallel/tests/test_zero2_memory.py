@@ -1,7 +1,7 @@
 """ZeRO-2 holds 1/dp of the gradients at rest, and its gradients stay those of one device.
 
 A model of odd-sized linear layers (no parameter, bucket or total a multiple of dp) is wrapped in
-``DistributedDataParallel(zero_stage=2)`` with tiny buckets (several per model) and stepped by
+``DistributedDataParallel(DDPOptions(zero_stage=2))`` with tiny buckets (several per model) and stepped by
 ``DistributedOptimizer(zero_stage=2)``. After a synchronised backward and after the step a rank must hold exactly its
 reduced shards, ``sum(bucket numel / dp)`` elements of the gradient dtype: the theoretical ``P / dp`` plus the
 bucket padding (fewer than dp elements per bucket), and none of the full-size bucket buffers (checked by DDP's
@@ -82,11 +82,11 @@ def test_zero2_holds_its_gradient_shards_only(world_size):
     import torch.distributed as dist
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
     mesh = init_mesh({"dp": world_size})
     rank, rows = dist.get_rank(), ROWS // world_size
-    ddp = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.0001, zero_stage=2)  # ~26 fp32 per bucket
+    ddp = DistributedDataParallel(_model(), mesh, DDPOptions(bucket_size_mb=0.0001, zero_stage=2))  # ~26 fp32 a bucket
     opt = DistributedOptimizer(ddp, torch.optim.SGD, zero_stage=2, lr=0.1)
     P = sum(p.numel() for p in ddp.parameters())
     assert len(ddp.buckets) >= 3 and P % world_size  # 167 parameters: uneven over dp, padded buckets
@@ -115,7 +115,7 @@ def test_zero2_holds_its_gradient_shards_only(world_size):
 
     # Each backward creates the buffers again and frees them after its reduce-scatter, whose result is added to the
     # shards, as one device adds a second backward into .grad when nothing cleared it; zero_grad zeroes them.
-    ddp = DistributedDataParallel(_model(), mesh, bucket_size_mb=0.0001, zero_stage=2)
+    ddp = DistributedDataParallel(_model(), mesh, DDPOptions(bucket_size_mb=0.0001, zero_stage=2))
     refs = _watch_full_buffers(ddp)
     for seed in (2, 3):
         x, y = _batch(seed)
@@ -142,12 +142,12 @@ def test_zero2_bf16_params_fp32_grads_hold_shards_only(world_size, accum):
     import torch.distributed as dist
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel
+    from vescale.parallel import DDPOptions, DistributedDataParallel
 
     mesh = init_mesh({"dp": world_size})
     rank, rows = dist.get_rank(), ROWS // world_size
-    ddp = DistributedDataParallel(_model().to(torch.bfloat16), mesh, bucket_size_mb=0.0001, zero_stage=2,
-                                  grad_dtype=torch.float32)
+    options = DDPOptions(bucket_size_mb=0.0001, zero_stage=2, grad_dtype=torch.float32)
+    ddp = DistributedDataParallel(_model().to(torch.bfloat16), mesh, options)
     shard_elems = sum(b.numel // world_size for b in ddp.buckets)
     full_elems = sum(b.numel for b in ddp.buckets)
     x, y = _batch(5)

@@ -110,11 +110,11 @@ def test_bf16_master_weights_without_zero_match_single_device():
     import torch.distributed as dist
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
     lr, clip = 0.5, 0.05
     mesh = init_mesh({"dp": 2})
-    ddp = DistributedDataParallel(_net().to(torch.bfloat16), mesh, grad_dtype=torch.float32)
+    ddp = DistributedDataParallel(_net().to(torch.bfloat16), mesh, DDPOptions(grad_dtype=torch.float32))
     opt = DistributedOptimizer(ddp, torch.optim.SGD, zero_stage=0, clip_grad=clip, lr=lr)
     x, y = _batch()
     rows = slice(dist.get_rank() * ROWS // 2, (dist.get_rank() + 1) * ROWS // 2)

@@ -81,14 +81,14 @@ def _llama_body(ref):
     import torch.distributed as dist
 
     from vescale.core.mesh import init_mesh
-    from vescale.parallel import DistributedDataParallel, DistributedOptimizer
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
     want_losses, want_state = ref
     mesh = init_mesh({"dp": 2})
     rank = dist.get_rank()
     rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
     for stage in (0, 2):
-        model = DistributedDataParallel(_llama(), mesh, bucket_size_mb=0.01, zero_stage=stage)
+        model = DistributedDataParallel(_llama(), mesh, DDPOptions(bucket_size_mb=0.01, zero_stage=stage))
         if stage == 0:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
         else:

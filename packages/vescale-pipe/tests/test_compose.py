@@ -109,3 +109,108 @@ def test_pp_x_tp_with_hand_built_stages():
             torch.testing.assert_close(grad, ref[n], rtol=1e-5, atol=1e-7,
                                        msg=lambda m, name=name, n=n: f"{name}: {n}: {m}")
         stage.zero_grad(set_to_none=True)
+
+
+class AveragingStage(nn.Module):
+    """A stand-in dp reducer in plain torch (nothing of vescale): implements :class:`vescale.pipe.StageGradSync` and
+    records how the engine drives it. ``finish_grad_sync`` averages every gradient over ``group`` (one all-reduce)."""
+
+    split_backward = True
+
+    def __init__(self, stage: nn.Module, group) -> None:
+        super().__init__()
+        self.module, self.group = stage, group
+        self.events: list = []
+        self.late: list = []
+        self.tied_at_finish: list = []
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def no_sync(self):
+        import contextlib
+
+        self.events.append("no_sync")
+        return contextlib.nullcontext()
+
+    def defer_grad_sync(self, late) -> None:
+        self.events.append("defer")
+        self.late = list(late)
+
+    def finish_grad_sync(self) -> None:
+        import torch.distributed as dist
+
+        self.events.append("finish")
+        self.tied_at_finish = [p.grad.clone() for p in self.late]
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= dist.get_world_size(self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+@multi_rank(world_sizes=[4])
+def test_stage_grad_sync_protocol_is_all_the_engine_needs(gpt_pipeline):
+    """pp2 x dp2, 1F1B, 2 microbatches: a plain-torch stand-in reducer satisfying ``StageGradSync`` gets the stage's
+    tied weight once (``defer_grad_sync``), runs the first of its two backwards under ``no_sync`` and finishes once
+    per step after the tied sum over pp (its tied gradient is then the same on both pp ranks); the engine's own flat
+    dp all-reduce skips it (one all-reduce over dp a step: the stand-in's). Gradients equal one device's. A wrapper
+    with only part of the protocol, or a ``wrap`` taking the old third argument, is refused on every rank."""
+    import pytest
+    import torch.distributed as dist
+
+    from vescale.core.comm import count_comms
+    from vescale.core.mesh import init_mesh, mesh_coordinates
+    from vescale.core.testing.models import cross_entropy
+    from vescale.pipe import PipeEngine, PipeError, StageGradSync
+
+    model, stages_by_count = gpt_pipeline
+    mesh = init_mesh({"pp": 2, "dp": 2})
+    at = mesh_coordinates(mesh)
+    M = 2
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, VOCAB, (2 * M * MB, T), generator=g)
+    y = torch.randint(0, VOCAB, (2 * M * MB, T), generator=g)
+    _, ref = reference_gradients(model, x, y, 2 * M)
+    mine = slice(at["dp"] * M * MB, (at["dp"] + 1) * M * MB)
+    engine = PipeEngine(stages_by_count[2], mesh, schedule="1f1b", num_microbatches=M, loss_fn=cross_entropy)
+    dp_group = engine.dp_group
+    wrapped = []
+    engine.wrap_stages(lambda s, stage: wrapped.append(AveragingStage(stage, dp_group)) or wrapped[-1])
+    (reducer,) = wrapped
+    assert isinstance(reducer, StageGradSync)
+    tied = engine.tied_parameters(at["pp"])
+    assert len(tied) == 1 and reducer.late == tied and reducer.events == ["defer"]
+    with count_comms(mesh) as counter:
+        engine.step(x[mine], y[mine])
+    assert reducer.events == ["defer", "no_sync", "finish"], reducer.events
+    assert counter.dim_counts["dp"] == {"all_reduce": 1}, counter.dim_counts
+    both = [torch.empty_like(reducer.tied_at_finish[0]) for _ in range(2)]
+    dist.all_gather(both, reducer.tied_at_finish[0], group=mesh.get_group("pp"))
+    assert torch.equal(both[0], both[1])  # finished after the tied sum over pp
+    stage = reducer.module
+    for n, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    stage.zero_grad(set_to_none=True)
+
+    class HalfReducer(nn.Module):  # no_sync and finish_grad_sync, as before StageGradSync, but no defer_grad_sync
+        split_backward = True
+
+        def __init__(self, stage: nn.Module) -> None:
+            super().__init__()
+            self.module = stage
+
+        def no_sync(self):
+            raise AssertionError("never driven")
+
+        def finish_grad_sync(self) -> None:
+            raise AssertionError("never driven")
+
+    half = PipeEngine(stages_by_count[2], mesh, schedule="1f1b", num_microbatches=M, loss_fn=cross_entropy)
+    with pytest.raises(PipeError, match=r"has .* but not \['defer_grad_sync'\] of vescale.pipe.StageGradSync"):
+        half.wrap_stages(lambda s, stage: HalfReducer(stage))
+    with pytest.raises(PipeError, match=r"wrap\(index, stage\)"):
+        half.wrap_stages(lambda s, stage, late: stage)

@@ -232,7 +232,7 @@ def test_describe_batch_is_fixed_size_and_compares_structure():
     """The per-step description: fixed length whatever the batch; equal for equal shapes/dtypes/structure only."""
     import torch
 
-    from vescale.pipe.engine import _DESC_LEN, _describe_batch
+    from vescale.pipe.microbatch import _DESC_LEN, _describe_batch
 
     a = {"ids": torch.zeros(4, 8, dtype=torch.long), "mask": torch.ones(4, 8)}
     rows = [_describe_batch(b, 2) for b in (None, a, torch.zeros(4, 8), [torch.zeros(4, 2)] * 20,

@@ -15,7 +15,7 @@ from typing import Any
 from vescale.core._workers import WorkerGroup, _function_ref, _resolve, default_backend
 from vescale.core.watchdog import collective_timeout as collective_timeout_s
 
-__all__ = ["spawn", "init_distributed", "default_backend", "torchrun_device", "free_port"]
+__all__ = ["spawn", "init_distributed", "default_backend", "torchrun_device", "rank_device", "free_port"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
@@ -107,6 +107,21 @@ def torchrun_device(local_rank: int | None, local_world: int, gpus: int, *,
     raise MeshError(f"{local_world} processes on this node (LOCAL_WORLD_SIZE) but {gpus} GPUs visible: start one "
                     f"process per GPU (--nproc-per-node {gpus}), give each process its own GPU "
                     "(CUDA_VISIBLE_DEVICES), or pass backend='gloo' to run on the CPU")
+
+
+def rank_device(group: Any = None):
+    """This rank's device: where its model, batches and the tensors of its collectives over ``group`` live.
+
+    NCCL (``group``'s backend, default the default group's) takes CUDA tensors only: ``cuda:<current device>``
+    (set to the local rank by :func:`init_distributed` / :func:`spawn`). Any other backend (gloo), or no
+    initialised process group: the CPU. Local; no collective.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from vescale.parallel.compile import (  # compile mode
     compiled_blocks,
 )
 from vescale.parallel.context_parallel import context_parallel, gather_sequence  # context parallelism
-from vescale.parallel.ddp import DistributedDataParallel  # part 2: DP/ZeRO
+from vescale.parallel.ddp import DDPOptions, DistributedDataParallel  # part 2: DP/ZeRO
 from vescale.parallel.errors import (
     CompileError,
     ContextParallelError,
@@ -55,8 +55,8 @@ from vescale.parallel.step_guard import NonFiniteStepError, StepGuard, skip_nonf
 from vescale.parallel.zero3 import fully_shard_dp, fully_shard_stage  # part 2: DP/ZeRO
 
 __all__: list[str] = []
-__all__ += ["DistributedDataParallel", "DDPError", "DistributedOptimizer", "ZeroError", "clip_grad_norm_", "grad_norm",
-            "fully_shard_dp", "fully_shard_stage", "Zero3Error"]  # part 2: DP/ZeRO
+__all__ += ["DistributedDataParallel", "DDPOptions", "DDPError", "DistributedOptimizer", "ZeroError", "clip_grad_norm_",
+            "grad_norm", "fully_shard_dp", "fully_shard_stage", "Zero3Error"]  # part 2: DP/ZeRO
 __all__ += ["parallelize_module", "plan_report", "Plan", "check_plan", "PlanReport", "PlanEntry",
             "vocab_parallel_cross_entropy", "loss_parallel", "LossParallelError", "PLANS", "gpt_plan", "llama_plan",
             "qwen2_plan", "mixtral_plan", "gpt2_plan", "TokenIdError"]  # part 1: TP/SP

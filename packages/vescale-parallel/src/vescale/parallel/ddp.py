@@ -6,7 +6,8 @@ group. Each parameter's gradient lives in a slice of a flat buffer; a per-parame
 gradient is accumulated) marks it ready, and a bucket whose parameters are all ready is reduced asynchronously while
 the rest of backward runs. Buckets are launched strictly in order, so every rank issues the same collectives in the
 same order. The end of backward waits for every reduction, so after ``loss.backward()`` the gradients are averaged
-over the dp group, as a single device would compute them for the whole batch.
+over the dp group, as a single device would compute them for the whole batch. Its options are one value,
+:class:`DDPOptions`; the buffers, buckets and reduction groups are laid out by :mod:`vescale.parallel._grad_buckets`.
 
 ``zero_stage=0/1`` all-reduce buckets (every rank holds the averaged gradient); ``zero_stage=2`` reduce-scatters
 them, so each rank only holds the averaged gradient of its own contiguous 1/dp slice of every bucket (see
@@ -16,158 +17,109 @@ waiting in backward, or at the end of backward at the latest), so between steps 
 (plus padding of fewer than dp elements per bucket); ``no_sync`` micro-steps keep the full buffers of the buckets
 they touch until the synchronised backward reduces them.
 
-``data_dims`` (expert parallelism): mesh dims of the parameters' own DTensor mesh over which the batch is split as
-over dp (``ep``: each ep rank runs the dense layers on its own rows). A parameter replicated on such a dim gets a
-``Partial`` gradient there; DDP sums it over that dim in the same bucketed reduction as over dp (one flat group,
-dp x ep), instead of one all-reduce per parameter: each rank's summand enters the buffer multiplied by ep and the
-bucket is averaged over dp x ep, so that a reduced gradient an earlier synchronised backward left in the buffer (the
-same on every rank) counts once when the next backward accumulates onto it. Until its bucket is reduced such a
-parameter's ``.grad`` / ``.main_grad`` therefore holds ep times this rank's summand. A parameter sharded on it (an
-expert, ``Shard(0)`` on ep) has its complete gradient already (the all-to-all brought every ep rank's tokens to
-it) and is reduced over dp only. Each group of parameters reduced over the same dims gets its own buffers and
-buckets (see :class:`_Reduction`).
+Expert parallelism: the other dims of the DDP mesh that split the batch as dp does (``vescale.core.mesh.DATA_DIMS``
+besides dp, larger than one: ``ep``), the *data dims*, are the parameters' own DTensor mesh dims too (each ep rank
+runs the dense layers on its own rows). A parameter replicated on such a dim gets a ``Partial`` gradient there; DDP
+sums it over that dim in the same bucketed reduction as over dp (one flat group, dp x ep), instead of one all-reduce
+per parameter: each rank's summand enters the buffer multiplied by ep and the bucket is averaged over dp x ep, so
+that a reduced gradient an earlier synchronised backward left in the buffer (the same on every rank) counts once when
+the next backward accumulates onto it. Until its bucket is reduced such a parameter's ``.grad`` / ``.main_grad``
+therefore holds ep times this rank's summand. A parameter sharded on it (an expert, ``Shard(0)`` on ep) has its
+complete gradient already (the all-to-all brought every ep rank's tokens to it) and is reduced over dp only. Each
+group of parameters reduced over the same dims gets its own buffers and buckets.
 
-Plain-tensor parameters with ``data_dims`` (expert parallelism with plain tensors, as in a captured pipeline stage
-whose experts are this rank's ``[E / ep, ...]`` slice): the same two groups. A plain parameter marked as a piece over
-data dims (:func:`vescale.core.sharded_state.mark_piece` with ``groups``, as
-:func:`~vescale.parallel.keep_local_experts` marks the experts over ep) is reduced over dp and the other data dims;
-every other plain parameter is replicated over the data dims (its gradient a summand, summed over them with dp's
-average).
+Plain-tensor parameters on such a mesh (expert parallelism with plain tensors, as in a captured pipeline stage whose
+experts are this rank's ``[E / ep, ...]`` slice): the same two groups. A plain parameter marked as a piece over data
+dims (:func:`vescale.core.sharded_state.mark_piece` with ``groups``, as :func:`~vescale.parallel.keep_local_experts`
+marks the experts over ep) is reduced over dp and the other data dims; every other plain parameter is replicated over
+the data dims (its gradient a summand, summed over them with dp's average).
+
+A pipeline stage: :class:`DistributedDataParallel` implements ``vescale.pipe.StageGradSync`` structurally
+(``no_sync``, ``defer_grad_sync``, ``finish_grad_sync``, ``split_backward``), without importing vescale-pipe.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 
-from vescale.core.mesh import dim_group, sub_mesh
-from vescale.core.sharded_state import piece_of
-from vescale.core.torch_internals import flattened_mesh, local_tensor, queue_end_of_backward
+from vescale.core.mesh import DATA_DIMS, dim_group, dim_size
+from vescale.core.torch_internals import local_tensor, queue_end_of_backward
+from vescale.parallel._grad_buckets import (  # noqa: F401  (_all_gather, _Bucket, _Slot: read by optimizer.py here)
+    _all_gather,
+    _Bucket,
+    _reduce_scatter,
+    _Reduction,
+    _Slot,
+    _summand_prehook,
+    lay_out,
+    plan_reductions,
+)
 from vescale.parallel.errors import DDPError
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "DDPOptions"]
 
 
-# torch 2.13's spelling of the single-tensor collectives (``*_into_tensor`` / ``*_tensor`` are deprecated there).
-_reduce_scatter = dist.reduce_scatter_single
-_all_gather = dist.all_gather_single
+@dataclass(frozen=True)
+class DDPOptions:
+    """How :class:`DistributedDataParallel` holds and reduces gradients (a value: compare, print, reuse it).
 
-
-@dataclass(eq=False)
-class _Slot:
-    """Where one parameter's gradient lives: elements ``[start, start + numel)`` of its buffer (offsets count in the
-    whole buffer), viewed as ``local_shape``; with ZeRO-2 in its bucket's own full-size buffer while that exists."""
-
-    fqn: str
-    param: nn.Parameter
-    buffer: _GradBuffer
-    bucket: _Bucket
-    start: int
-    numel: int
-    local_shape: torch.Size
-    exposed: torch.Tensor | None = None  # the low-precision .grad copy finish_grad_sync handed out, if any
-
-    def view(self) -> torch.Tensor:
-        """The gradient's place in the buffer (with ZeRO-2 this allocates the bucket's buffer, zeroed, if freed)."""
-        at = self.start - self.bucket.start
-        return self.bucket.data()[at:at + self.numel].view(self.local_shape)
-
-    def is_view(self, grad: torch.Tensor | None) -> bool:
-        """Whether ``grad`` (a local tensor) is :meth:`view` (never allocates)."""
-        return grad is not None and self.bucket.allocated() and grad.data_ptr() == self.view().data_ptr()
-
-    def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` dressed as the parameter is (a DTensor with the same mesh and placements, or as is)."""
-        p = self.param
-        if isinstance(p, DTensor):
-            return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride())
-        return local
-
-
-@dataclass(eq=False)
-class _Bucket:
-    """A contiguous range ``[start, end)`` of a buffer, padded so that ``end - start`` is a multiple of dp.
-
-    With ZeRO-2 the bucket's full-size gradient lives in its own tensor (``full``), created zeroed when the first
-    gradient reaches the bucket and freed once the reduce-scatter has written this rank's slice into ``shard_grad``:
-    between steps a rank holds only the shards (1/dp of the gradients, plus padding)."""
-
-    index: int
-    buffer: _GradBuffer
-    start: int
-    end: int
-    slots: list[_Slot] = field(default_factory=list)
-    ready: int = 0
-    work: object | None = None
-    launched: bool = False
-    shard_grad: torch.Tensor | None = None  # zero_stage 2: this rank's reduced slice
-    full: torch.Tensor | None = None  # zero_stage 2: the full-size gradient, while the bucket holds one
-    shard_holds: bool = False  # zero_stage 2: shard_grad holds a reduced gradient no zero_grad has cleared since
-    incoming: torch.Tensor | None = None  # zero_stage 2: a reduction in flight, added to shard_grad when it completes
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-    def allocated(self) -> bool:
-        """Whether the bucket's full-size gradient exists (always, but with ZeRO-2 between backward and reduction)."""
-        return self.shard_grad is None or self.full is not None
-
-    def data(self) -> torch.Tensor:
-        if self.shard_grad is None:
-            return self.buffer.data[self.start:self.end]
-        if self.full is None:
-            self.full = self.shard_grad.new_zeros(self.numel)  # (a Tensor method: no factory capture can see it)
-        return self.full
-
-
-@dataclass(eq=False)
-class _Reduction:
-    """The group a set of parameters' gradients is reduced over: dp, or dp and ``data_dims`` flattened.
-
-    ``name`` is ``"dp"`` or the dims joined by ``+`` (``"dp+ep"``), the key gradient clipping sums ZeRO shards under.
-    ``summed`` names the data dims reduced here besides dp: gradients are summed there (they are ``Partial`` sums)
-    and averaged over dp. Every bucket is reduced with ``AVG`` over the whole group; a summand enters the buffer
-    multiplied by :attr:`scale` (the product of the ``summed`` dims' sizes, see :func:`_summand_prehook`), so the
-    average is the sum over ``summed`` of the average over dp, and a gradient already reduced (identical on every
-    rank, as an earlier synchronised backward leaves it in the buffer) counts once, as on one device.
+    ``bucket_size_mb``: the bytes of one bucket (positive). ``overlap``: reduce each bucket as soon as backward
+    completes it (``False``: every bucket after backward). ``grad_dtype``: the dtype gradients are accumulated and
+    reduced in (``None``: each parameter's own; the default fp32 gives bf16 parameters fp32 accumulation).
+    ``zero_stage``: 0/1 all-reduce the buckets, 2 reduce-scatters them (each rank keeps its 1/dp slice; see
+    :class:`~vescale.parallel.DistributedOptimizer`); ZeRO 3 is ``vescale.parallel.fully_shard_dp``. Raises
+    :class:`DDPError` for a value out of range.
     """
 
-    name: str
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-    summed: tuple[str, ...] = ()
-    dp_size: int = 1
+    bucket_size_mb: float = 25
+    overlap: bool = True
+    grad_dtype: torch.dtype | None = torch.float32
+    zero_stage: int = 0
 
-    @property
-    def scale(self) -> int:
-        """What a summand is multiplied by on its way into the buffer: the number of ranks it is summed over."""
-        return self.size // self.dp_size
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2):
+            hint = " (ZeRO 3 is torch's fully_shard over the dp sub-mesh; see the README)" if self.zero_stage == 3 \
+                else ""
+            raise DDPError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}{hint}")
+        if not self.bucket_size_mb > 0:
+            raise DDPError(f"bucket_size_mb must be positive, got {self.bucket_size_mb!r}")
 
 
-@dataclass(eq=False)
-class _GradBuffer:
-    """One flat gradient buffer holding every parameter of one (reduction, param dtype, grad dtype) triple.
+#: Keyword arguments DistributedDataParallel no longer takes, and what says the same thing now.
+_REMOVED = {
+    "late_params": "the pipeline engine hands a stage's tied parameters to ddp.defer_grad_sync(params) "
+                   "(vescale.pipe.StageGradSync); outside a pipeline call it yourself",
+    "wait_in_backward": "ddp.defer_grad_sync(()) leaves the reductions in flight at the end of backward "
+                        "(then call ddp.finish_grad_sync() before reading the gradients)",
+    "data_dims": "pass the mesh with those dims: DistributedDataParallel(module, mesh) sums over every dim of the "
+                 "mesh besides dp that splits the batch (vescale.core.mesh.DATA_DIMS, e.g. ep)",
+    "local_shards": "mark each plain piece with vescale.core.sharded_state.mark_piece(p, groups={'ep': group})",
+}
 
-    With ZeRO-2 ``data`` is empty (it only carries dtype and device): each bucket holds its own full-size buffer
-    while it has gradients (see :class:`_Bucket`)."""
 
-    param_dtype: torch.dtype
-    grad_dtype: torch.dtype
-    data: torch.Tensor
-    buckets: list[_Bucket] = field(default_factory=list)
-    reduction: _Reduction | None = None
+def _refuse_old_keywords(kwargs: dict[str, Any]) -> None:
+    """Raise :class:`DDPError` naming the new spelling of every removed keyword in ``kwargs`` (TypeError for others)."""
+    fields = DDPOptions.__dataclass_fields__
+    problems = [f"{k}= is gone: {_REMOVED[k]}" for k in kwargs if k in _REMOVED]
+    moved = [f"{k}={v!r}" for k, v in kwargs.items() if k in fields]
+    if moved:
+        problems.append(f"{', '.join(moved)} is an option: pass DistributedDataParallel(module, mesh, "
+                        f"DDPOptions({', '.join(moved)}))")
+    unknown = [k for k in kwargs if k not in _REMOVED and k not in fields]
+    if unknown:
+        raise TypeError(f"DistributedDataParallel got unexpected keyword argument(s) {unknown}")
+    if problems:
+        raise DDPError("; ".join(problems))
 
 
 class DistributedDataParallel(nn.Module):
@@ -176,11 +128,8 @@ class DistributedDataParallel(nn.Module):
     ``mesh`` is a 1-D DeviceMesh, an nD DeviceMesh with a ``"dp"`` dimension, or a ProcessGroup; gradients
     are averaged over that group only (TP DTensor parameters keep their placements). ``mesh=None`` is one data
     rank: gradients go into the buffer (in ``grad_dtype``: the fp32 gradients of bf16 masters) and nothing is
-    communicated. Parameters are broadcast from dp
-    rank 0 at construction, so replicas start identical. ``grad_dtype`` is the dtype gradients are accumulated and
-    reduced in (``None``: each parameter's own dtype); with bf16 parameters the default fp32 gives fp32 gradient
-    accumulation. ``bucket_size_mb`` bounds the bytes of one bucket; ``overlap=False`` reduces every bucket after
-    backward instead of during it.
+    communicated. Parameters are broadcast from dp rank 0 at construction, so replicas start identical. ``options``
+    (:class:`DDPOptions`, default ``DDPOptions()``) sets the bucket size, overlap, gradient dtype and ZeRO stage.
 
     After a synchronised backward each parameter's ``.main_grad`` (the buffer view in ``grad_dtype``) holds the dp
     average. When ``grad_dtype`` equals the parameter dtype, ``.grad`` *is* that view and autograd accumulates into
@@ -197,69 +146,92 @@ class DistributedDataParallel(nn.Module):
     Inside :meth:`no_sync` backward only accumulates locally; the next backward outside it reduces the sum.
     Every rank of the dp group must run the same backward passes (same parameters receive gradients).
 
-    ``late_params``: parameters whose gradient someone else completes after backward and before the reduction (a
-    pipeline engine summing a tied weight's gradient over its pp stages). They get their own trailing bucket(s),
-    which backward never launches: the end of a synchronised backward launches the other buckets' reductions and
-    leaves them in flight; :meth:`finish_grad_sync` (call it before the next backward) then reduces the late ones and
-    waits for all, so every gradient element is still reduced over dp exactly once. ``wait_in_backward=False``
-    leaves the reductions in flight at the end of backward in any case (for a caller with more work after it, a
-    pipeline sending gradients upstream); then call :meth:`finish_grad_sync` before reading the gradients.
+    Data dims (expert parallelism, see the module docstring): when ``mesh`` is an nD DeviceMesh with dims besides dp
+    that split the batch (``ep`` larger than one), they must be dims of every parameter's DTensor mesh too.
+    Parameters replicated there are reduced over dp x those dims (summed over them, averaged over dp), the others
+    over dp only. With ZeRO each group's buckets are sharded over its own ranks. As for DTensors summed there, each
+    rank's loss must be its share of the global loss (e.g. its rows' mean / ep). The parameters may instead all be
+    plain tensors (a pipeline stage): those marked as pieces over data dims
+    (``vescale.core.sharded_state.mark_piece(p, groups={"ep": group})``: experts kept as ``[E / ep, ...]`` slices,
+    whose gradient the all-to-all already summed over ep) are reduced over dp and the data dims they are not split
+    over; every other plain parameter is replicated over all data dims: reduced over dp x data dims like a
+    replicated DTensor. A module mixing plain parameters with DTensors over the data dims, a DTensor marked as a
+    piece over a data dim (its placements say that), a piece over the dp dim itself, or a piece's group that is not
+    the ranks of the mesh's dim of that name is an error.
 
-    ``data_dims`` (e.g. ``("ep",)`` for :func:`~vescale.parallel.parallelize_experts`): dims of ``mesh`` (which then
-    must be a DeviceMesh with dp and those dims) that are also dims of every parameter's DTensor mesh and split the
-    batch. Parameters replicated there are reduced over dp x those dims (summed over them, averaged over dp), the
-    others over dp only (see the module docstring). With ZeRO each group's buckets are sharded over its own ranks.
-    As for DTensors summed there, each rank's loss must be its share of the global loss (e.g. its rows' mean / ep).
-
-    With ``data_dims`` the parameters may instead all be plain tensors (a pipeline stage). Those marked as pieces
-    over data dims (``vescale.core.sharded_state.mark_piece(p, groups={"ep": group})``: experts kept as
-    ``[E / ep, ...]`` slices, whose gradient the all-to-all already summed over ep) are reduced over dp and the data
-    dims they are not split over; every other plain parameter is replicated over all data dims: reduced over dp x
-    data dims like a replicated DTensor. A module mixing plain parameters with DTensors over the data dims, a
-    DTensor marked as a piece over a data dim (its placements say that), a piece over the dp dim itself, or a
-    piece's group that is not the ranks of the mesh's dim of that name is an error.
+    A pipeline stage (``vescale.pipe.StageGradSync``, which ``PipeEngine.wrap_stages`` drives): see
+    :meth:`defer_grad_sync`. The keywords ``late_params``, ``wait_in_backward``, ``data_dims`` and ``local_shards``
+    (and the options as keywords) are refused with a :class:`DDPError` naming what replaced them.
     """
 
-    def __init__(self, module: nn.Module, mesh, *, bucket_size_mb: float = 25, overlap: bool = True,
-                 grad_dtype: torch.dtype | None = torch.float32, zero_stage: int = 0,
-                 late_params=(), wait_in_backward: bool = True, data_dims: Sequence[str] = ()) -> None:
+    #: The reduction runs in hooks on the parameters' gradient accumulators, which a split backward (BI then BW)
+    #: reaches too: zero-bubble pipeline schedules may drive it (``vescale.pipe.StageGradSync``).
+    split_backward = True
+
+    def __init__(self, module: nn.Module, mesh, options: DDPOptions | None = None, **removed: Any) -> None:
         super().__init__()
-        if zero_stage not in (0, 1, 2):
-            hint = " (ZeRO 3 is torch's fully_shard over the dp sub-mesh; see the README)" if zero_stage == 3 else ""
-            raise DDPError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}{hint}")
-        if not bucket_size_mb > 0:
-            raise DDPError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if removed:
+            _refuse_old_keywords(removed)
+        options = DDPOptions() if options is None else options
+        if not isinstance(options, DDPOptions):
+            raise DDPError(f"options must be a DDPOptions, got {type(options).__name__}")
         if mesh is not None and not dist.is_initialized():
             raise DDPError("DistributedDataParallel needs an initialised process group")
         self.module = module
+        self.options = options
         if mesh is None:  # no data parallelism: the buffer (fp32 accumulation for masters) without any collective
-            if data_dims:
-                raise DDPError("data_dims need a DeviceMesh with a dp dim, not mesh=None")
             self.dp_group, self.dp_dim_name, self.dp_size, self.dp_rank = None, "dp", 1, 0
+            self.data_dims: tuple[str, ...] = ()
         else:
             self.dp_group, self.dp_dim_name = _dp_group(mesh)
             self.dp_size = dist.get_world_size(self.dp_group)
             self.dp_rank = dist.get_rank(self.dp_group)
-        self.zero_stage = zero_stage
-        self.overlap = overlap
-        self.grad_dtype = grad_dtype
-        self.bucket_bytes = int(bucket_size_mb * 1024 * 1024)
+            self.data_dims = _data_dims(mesh, self.dp_dim_name)
+        self.zero_stage = options.zero_stage
+        self.overlap = options.overlap
+        self.grad_dtype = options.grad_dtype
+        self.bucket_bytes = int(options.bucket_size_mb * 1024 * 1024)
         self._sync_enabled = True
         self._callback_queued = False
         self._next_launch = 0
         self._next_free = 0  # ZeRO-2: the first launched bucket whose full buffer may still be held
         self._dirty = False  # some gradient reached the buffer since the last finish_grad_sync
-        self.wait_in_backward = wait_in_backward
+        self._wait_in_backward = True  # False once defer_grad_sync was called: finish_grad_sync waits
         self._validate(module)
-        self.data_dims = tuple(data_dims)
-        self._reductions = self._plan_reductions(module, mesh)
-        self._late = {id(p) for p in late_params}
-        self.grad_buffers: list[_GradBuffer] = []
-        self.buckets: list[_Bucket] = []
-        self.slots: dict[nn.Parameter, _Slot] = {}
-        self._build_buffers(module)
-        self._num_early = sum(1 for b in self.buckets if not any(id(s.param) in self._late for s in b.slots))
+        params = [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad]
+        dp = _Reduction(self.dp_dim_name, self.dp_group, self.dp_size, self.dp_rank)
+        self._reductions = plan_reductions(params, mesh, dp, self.data_dims)
+        self._hooks: list = []
+        self._lay_out(late=set())
         self._broadcast_params()
+
+    # -- construction ---------------------------------------------------------------------------------------------
+
+    def _validate(self, module: nn.Module) -> None:
+        device = None
+        for fqn, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            local = local_tensor(p)
+            if isinstance(p, DTensor) and self.dp_dim_name in (p.device_mesh.mesh_dim_names or ()):
+                raise DDPError(f"parameter {fqn!r} is already a DTensor over mesh dim {self.dp_dim_name!r} "
+                               f"(placements {p.placements}); DDP reduces over that dim itself")
+            if not local.is_contiguous():
+                raise DDPError(f"parameter {fqn!r} (local shape {tuple(local.shape)}) is not contiguous")
+            if device is not None and local.device != device:
+                raise DDPError(f"parameter {fqn!r} is on {local.device} but others are on {device}")
+            device = local.device
+
+    def _lay_out(self, late: set[int]) -> None:
+        """(Re)build the buffers, buckets and slots with the ``late`` parameters (ids) last, and hook every
+        parameter's gradient accumulator (removing earlier hooks). Local; allocates zeroed buffers."""
+        for handle in self._hooks:
+            handle.remove()
+        self._late = late
+        params = [(fqn, p) for fqn, p in self.module.named_parameters() if p.requires_grad]
+        self.grad_buffers, self.buckets, self.slots = lay_out(params, self._reductions, late, self.grad_dtype,
+                                                              self.bucket_bytes, self.zero_stage)
+        self._num_early = sum(1 for b in self.buckets if not any(id(s.param) in late for s in b.slots))
         # The hook sits on each parameter's gradient accumulator node (as torch's DDP and Megatron hook it), not in
         # the tensor's post-accumulate-grad hook dict: a DTensor parameter moved by ``module.to()`` is swapped
         # (``torch.utils.swap_tensors``) and keeps that dict while the hook inside torch stays with the old tensor,
@@ -279,133 +251,31 @@ class DistributedDataParallel(nn.Module):
             self._hooks.append(acc.register_prehook(functools.partial(_summand_prehook, param=slot.param, dims=dims,
                                                                       scale=reduction.scale)))
 
-    # -- construction ---------------------------------------------------------------------------------------------
+    def defer_grad_sync(self, late: Sequence[torch.Tensor] = ()) -> None:
+        """Leave the end of each synchronised backward to :meth:`finish_grad_sync`, and ``late``'s gradients too.
 
-    def _validate(self, module: nn.Module) -> None:
-        device = None
-        for fqn, p in module.named_parameters():
-            if not p.requires_grad:
-                continue
-            local = local_tensor(p)
-            if isinstance(p, DTensor) and self.dp_dim_name in (p.device_mesh.mesh_dim_names or ()):
-                raise DDPError(f"parameter {fqn!r} is already a DTensor over mesh dim {self.dp_dim_name!r} "
-                               f"(placements {p.placements}); DDP reduces over that dim itself")
-            if not local.is_contiguous():
-                raise DDPError(f"parameter {fqn!r} (local shape {tuple(local.shape)}) is not contiguous")
-            if device is not None and local.device != device:
-                raise DDPError(f"parameter {fqn!r} is on {local.device} but others are on {device}")
-            device = local.device
-
-    def _plan_reductions(self, module: nn.Module, mesh) -> dict[int, _Reduction]:
-        """``{id(param): its _Reduction}``; checks ``data_dims`` and the parameters' piece marks against ``mesh`` and
-        every parameter (local, no collective: a bad layout raises DDPError on every rank)."""
-        dp = _Reduction(self.dp_dim_name, self.dp_group, self.dp_size, self.dp_rank)
-        params = [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad]
-        for fqn, p in params:
-            piece = piece_of(p)
-            if piece is not None and self.dp_dim_name in piece.group_map:
-                raise DDPError(f"parameter {fqn!r} is marked as a piece over {self.dp_dim_name!r} (mark_piece "
-                               f"groups {sorted(piece.group_map)}), the dim DDP averages over: its replicas over "
-                               f"{self.dp_dim_name!r} must be whole")
-        if not self.data_dims:
-            return {id(p): dp for _, p in params}
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        missing = [d for d in (self.dp_dim_name, *self.data_dims) if d not in names]
-        if missing or self.dp_dim_name in self.data_dims:
-            raise DDPError(f"data_dims {list(self.data_dims)} need a DeviceMesh with dims {self.dp_dim_name!r} and "
-                           f"{list(self.data_dims)} (distinct), got {list(names) or type(mesh).__name__}")
-        groups = {d: dist.get_process_group_ranks(sub_mesh(mesh, d).get_group()) for d in self.data_dims}
-        # the plain pieces over data dims: {fqn: (parameter, the data dims it is split over)}
-        split = {fqn: (p, [d for d in self.data_dims if d in piece.group_map]) for fqn, p in params
-                 if (piece := piece_of(p)) is not None and any(d in piece.group_map for d in self.data_dims)}
-        for fqn, (p, dims) in sorted(split.items()):
-            if isinstance(p, DTensor):
-                raise DDPError(f"parameter {fqn!r} is a DTensor (placements {p.placements}) marked as a piece over "
-                               f"data dims {dims} (mark_piece groups): its placements say where it is split")
-            for d in dims:
-                ranks = dist.get_process_group_ranks(piece_of(p).group_map[d])
-                if ranks != groups[d]:
-                    raise DDPError(f"parameter {fqn!r} is marked as a piece over {d!r} with ranks {ranks}, but the "
-                                   f"DDP mesh's dim {d!r} holds ranks {groups[d]}; mark it with that mesh's group")
-        plain = [fqn for fqn, p in params if not isinstance(p, DTensor)]
-        if plain and len(plain) < len(params):
-            dtensor, dt = next((fqn, p) for fqn, p in params if isinstance(p, DTensor))
-            names = list(dt.device_mesh.mesh_dim_names or ())
-            raise DDPError(f"parameter {plain[0]!r} is not a DTensor over data dim {self.data_dims[0]!r} but a plain "
-                           f"tensor, while {dtensor!r} is a DTensor over {names}: with data_dims the parameters are "
-                           "all DTensors over them (parallelize the model over them before wrapping it) or all plain "
-                           "tensors, this rank's pieces marked with vescale.core.sharded_state.mark_piece")
-        keys: dict[int, tuple[str, ...]] = {}
-        for fqn, p in params:  # every check first, then the groups (creating one is collective)
-            if not isinstance(p, DTensor):
-                # a plain parameter: a piece over the data dims its mark names, replicated over the other data dims
-                keys[id(p)] = tuple(d for d in self.data_dims if d not in split.get(fqn, (None, ()))[1])
-                continue
-            pnames = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-            summed = []
-            for d in self.data_dims:
-                if d not in pnames:
-                    raise DDPError(f"parameter {fqn!r} is not a DTensor over data dim {d!r} (its mesh dims: "
-                                   f"{list(pnames)}); parallelize the model over {d!r} before wrapping it")
-                i = pnames.index(d)
-                if dist.get_process_group_ranks(p.device_mesh.get_group(i)) != groups[d]:
-                    raise DDPError(f"parameter {fqn!r}: its mesh dim {d!r} holds ranks "
-                                   f"{dist.get_process_group_ranks(p.device_mesh.get_group(i))}, the DDP mesh's "
-                                   f"{groups[d]}; build both from the same mesh")
-                if isinstance(p.placements[i], Replicate):
-                    summed.append(d)
-            keys[id(p)] = tuple(summed)
-        by_dims: dict[tuple[str, ...], _Reduction] = {(): dp}
-        for key in sorted(set(keys.values())):  # the same order on every rank
-            if key not in by_dims:
-                flat = flattened_mesh(sub_mesh(mesh, self.dp_dim_name, *key)).get_group()
-                by_dims[key] = _Reduction("+".join((self.dp_dim_name, *key)), flat, dist.get_world_size(flat),
-                                          dist.get_rank(flat), key, self.dp_size)
-        return {pid: by_dims[key] for pid, key in keys.items()}
-
-    def _build_buffers(self, module: nn.Module) -> None:
-        # Backward visits parameters roughly in reverse registration order: fill buckets in that order so the first
-        # bucket completes first.
-        params = [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad][::-1]
-        by_dtype: dict[tuple[bool, str, torch.dtype, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
-        for fqn, p in params:
-            key = (id(p) in self._late, self._reductions[id(p)].name, p.dtype, self.grad_dtype or p.dtype)
-            by_dtype.setdefault(key, []).append((fqn, p))
-        # late parameters' buffers (and so buckets) come after all the others
-        for (_, _, pdtype, gdtype), group in sorted(by_dtype.items(), key=lambda kv: kv[0][0]):
-            reduction = self._reductions[id(group[0][1])]
-            size = reduction.size
-            elem = torch.empty((), dtype=gdtype).element_size()
-            layout: list[tuple[int, int, list[tuple[str, nn.Parameter, int]]]] = []  # (start, end, members)
-            offset, members, bucket_start = 0, [], 0
-            for fqn, p in group:
-                n = local_tensor(p).numel()
-                members.append((fqn, p, offset))
-                offset += n
-                if (offset - bucket_start) * elem >= self.bucket_bytes:
-                    end = bucket_start + _round_up(offset - bucket_start, size)
-                    layout.append((bucket_start, end, members))
-                    offset = bucket_start = end
-                    members = []
-            if members:
-                end = bucket_start + _round_up(offset - bucket_start, size)
-                layout.append((bucket_start, end, members))
-                offset = end
-            device = local_tensor(group[0][1]).device
-            flat = torch.zeros(0 if self.zero_stage == 2 else offset, dtype=gdtype, device=device)
-            buf = _GradBuffer(pdtype, gdtype, flat, reduction=reduction)
-            for start, end, mem in layout:
-                bucket = _Bucket(len(self.buckets), buf, start, end)
-                if self.zero_stage == 2:
-                    bucket.shard_grad = torch.zeros(bucket.numel // size, dtype=gdtype, device=device)
-                for fqn, p, off in mem:
-                    local = local_tensor(p)
-                    slot = _Slot(fqn, p, buf, bucket, off, local.numel(), local.shape)
-                    bucket.slots.append(slot)
-                    self.slots[p] = slot
-                buf.buckets.append(bucket)
-                self.buckets.append(bucket)
-            self.grad_buffers.append(buf)
+        From now on the end of a synchronised backward launches the reductions of the buckets backward has not
+        launched yet and leaves them in flight (a pipeline sends its last gradients meanwhile); the caller calls
+        :meth:`finish_grad_sync` before the next backward and before reading the gradients. ``late``: parameters
+        whose gradient the caller completes after backward and before :meth:`finish_grad_sync` (a pipeline engine
+        summing a tied weight's gradient over its pp stages): they get their own trailing bucket(s), which only
+        :meth:`finish_grad_sync` reduces, so every gradient element is still reduced over dp exactly once.
+        ``vescale.pipe.PipeEngine.wrap_stages`` calls this with the stage's tied parameters (the
+        ``vescale.pipe.StageGradSync`` protocol). Call it before the first backward: it lays the buckets out again.
+        Raises :class:`DDPError`, before any collective, for a gradient already held or a ``late`` tensor that is
+        not one of this module's trainable parameters. Local.
+        """
+        unknown = [i for i, p in enumerate(late) if p not in self.slots]
+        if unknown:
+            raise DDPError(f"defer_grad_sync: late[{unknown[0]}] (shape {tuple(late[unknown[0]].shape)}) is not a "
+                           "trainable parameter of the wrapped module")
+        if self._dirty or any(b.shard_holds or b.full is not None for b in self.buckets):
+            raise DDPError("defer_grad_sync must be called before the first backward (it lays the gradient buckets "
+                           "out again); gradients are already held")
+        self._wait_in_backward = False
+        ids = {id(p) for p in late}
+        if ids != self._late:
+            self._lay_out(ids)
 
     @torch.no_grad()
     def _broadcast_params(self) -> None:
@@ -528,10 +398,11 @@ class DistributedDataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Launch the buckets not yet reduced, wait for every reduction, and expose the averaged gradients.
 
-        Called automatically at the end of a synchronised backward (which leaves the ``late_params`` buckets
-        pending); calling it again is a no-op until the next backward. Parameters that got no gradient contribute
-        zeros. Raises :class:`DDPError` (before any collective) when a parameter holds a gradient that autograd
-        accumulated without running DDP's hook, which would otherwise be left out of the reduction silently.
+        Called automatically at the end of a synchronised backward, unless :meth:`defer_grad_sync` was called
+        (then that backward leaves the reductions in flight and the late buckets pending). Calling it again is a
+        no-op until the next backward. Parameters that got no gradient contribute zeros. Raises :class:`DDPError`
+        (before any collective) when a parameter holds a gradient that autograd accumulated without running DDP's
+        hook, which would otherwise be left out of the reduction silently.
         """
         self._check_hooks_saw_grads()
         self._finish(late=True)
@@ -555,7 +426,7 @@ class DistributedDataParallel(nn.Module):
             return
         for bucket in self.buckets[self._next_launch:self._num_early]:  # empty once launched (_launch advances)
             self._launch(bucket)
-        if not late and (self._num_early < len(self.buckets) or not self.wait_in_backward):
+        if not late and (self._num_early < len(self.buckets) or not self._wait_in_backward):
             # Leave the reductions in flight: a pipeline sends its last gradients meanwhile; the late buckets and
             # the wait for all of them are finish_grad_sync's.
             return
@@ -658,50 +529,6 @@ class DistributedDataParallel(nn.Module):
         return total
 
 
-def _summand_prehook(grad_outputs, *, param: torch.Tensor, dims: tuple[int, ...], scale: int):
-    """Before accumulation: the incoming gradient as ``scale`` times this rank's summand over the data dims.
-
-    A DTensor gradient becomes its summand over mesh ``dims`` (see :func:`_as_summand`), so that the parameter's own
-    hook (``parallelize_module`` brings ``.grad`` to the parameter's placements) does not all-reduce it there: the
-    bucket does. A plain gradient is this rank's summand already. ``scale`` (the number of ranks summed over) makes
-    the bucket's average over dp x data dims their sum (see :class:`_Reduction`)."""
-    grad = grad_outputs[0]
-    if grad is None:
-        return None
-    if isinstance(grad, DTensor) and isinstance(param, DTensor):
-        grad = _as_summand(grad, param.device_mesh, dims, scale=scale)
-    elif scale != 1:
-        grad = grad * scale
-    else:
-        return None
-    return (grad,) + tuple(grad_outputs[1:])
-
-
-def _as_summand(grad: DTensor, mesh, dims: tuple[int, ...], scale: float = 1) -> DTensor:
-    """``grad`` labelled ``Replicate`` on mesh ``dims`` with local values whose sum over those dims is ``scale``
-    times its value.
-
-    A ``Partial`` sum there keeps its local values (no communication; times ``scale``). Any other layout there
-    (``Replicate``, a ``Shard``, another partial kind) is first made ``Replicate`` on those dims and then kept by the
-    ranks at coordinate 0 of all of them, zeros elsewhere, which is exact. Other dims are left as they are.
-    """
-    placements = list(grad.placements)
-    other = [i for i in dims if not (type(placements[i]) is Partial and placements[i].reduce_op == "sum")]
-    if other:
-        grad = grad.redistribute(mesh, [Replicate() if i in other else p for i, p in enumerate(placements)])
-    local = local_tensor(grad)
-    if any(mesh.get_local_rank(i) != 0 for i in other):
-        local = torch.zeros_like(local)
-    elif scale != 1:
-        local = local * scale
-    labelled = [Replicate() if i in dims else p for i, p in enumerate(grad.placements)]
-    return DTensor.from_local(local, mesh, labelled, run_check=False, shape=grad.shape, stride=grad.stride())
-
-
-def _round_up(n: int, k: int) -> int:
-    return max(k, math.ceil(n / k) * k)
-
-
 def _dp_group(mesh, dim: str = "dp"):
     """(process group, mesh dim name) for the data-parallel dimension ``dim`` of a mesh, or a group as is."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -713,3 +540,10 @@ def _dp_group(mesh, dim: str = "dp"):
         raise DDPError(f"mesh has dimensions {list(mesh.mesh_dim_names or ())} (shape {tuple(mesh.shape)}); "
                        f"DistributedDataParallel needs a 1-D mesh or one with a {dim!r} dimension")
     return found
+
+
+def _data_dims(mesh, dp_dim: str) -> tuple[str, ...]:
+    """The dims of ``mesh`` besides ``dp_dim`` that split the batch (``DATA_DIMS``, larger than one), mesh order."""
+    if not hasattr(mesh, "mesh_dim_names") or mesh.ndim == 1:
+        return ()  # a group, or a 1-D mesh: all of it is dp
+    return tuple(d for d in mesh.mesh_dim_names or () if d in DATA_DIMS and d != dp_dim and dim_size(mesh, d) > 1)

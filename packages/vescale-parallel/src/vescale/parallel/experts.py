@@ -30,8 +30,8 @@ The layout (what each rank holds and computes):
   run on DTensors over the global batch, so it is what one device computes on the whole batch.
 - Expert gradients are reduced over ``dp`` (the ranks holding the same experts), never over ``ep``. With vescale's
   DDP / ZeRO instead of a DTensor ``dp`` dim: parallelize over the ``ep`` (and ``tp``) sub-mesh and wrap the model in
-  ``DistributedDataParallel(model, mesh, data_dims=("ep",))``, which reduces the dense gradients over dp x ep and the
-  experts' over dp, bucketed (see :mod:`vescale.parallel.ddp`).
+  ``DistributedDataParallel(model, mesh)`` over the whole dp x ep mesh, which reduces the dense gradients over dp x ep
+  and the experts' over dp, bucketed (see :mod:`vescale.parallel.ddp`).
 
 Other mesh dims compose through the plan given for the dense part (any plan of
 :func:`~vescale.parallel.parallelize_module` over the same mesh, e.g. ``mixtral_plan(mesh)`` for TP on attention and
@@ -429,7 +429,7 @@ def experts_as_operator(model: nn.Module, mesh, *, ep: str = "ep",
     FFN) and backpropagates through it (two all-to-alls): the forward's intermediate tensors have data-dependent sizes
     an operator cannot return through the capture. An expert's gradient is then the sum over every ep rank's loss of
     the tokens it took; dense parameters' gradients are each rank's own. With each rank backpropagating its share
-    of the loss (its rows' mean / ep), ``DistributedDataParallel(module, mesh, data_dims=(ep,))`` over the module
+    of the loss (its rows' mean / ep), ``DistributedDataParallel(module, mesh)`` (mesh with dp and ep) over the module
     after :func:`keep_local_experts` (which marks the experts as pieces over ep) makes both one device's: the dense
     gradients summed over ep (and averaged over dp), the experts' averaged over dp only.
 

@@ -116,7 +116,7 @@ class DistributedOptimizer:
         if not isinstance(module, DistributedDataParallel):
             raise ZeroError(f"DistributedOptimizer needs a vescale.parallel.DistributedDataParallel module, got "
                             f"{type(module).__name__}; wrap it first: DistributedDataParallel(model, mesh, "
-                            f"zero_stage={zero_stage})")
+                            f"DDPOptions(zero_stage={zero_stage}))")
         if zero_stage not in (0, 1, 2):
             raise ZeroError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r} (ZeRO 3: torch fully_shard, see "
                             "README)")

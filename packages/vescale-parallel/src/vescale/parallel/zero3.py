@@ -157,7 +157,7 @@ def _cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 class Zero3Stage(nn.Module):
-    """A pipeline stage sharded by FSDP2 (:func:`fully_shard_stage`) in ``PipeEngine``'s grad-sync protocol.
+    """A pipeline stage sharded by FSDP2 (:func:`fully_shard_stage`) in ``vescale.pipe.StageGradSync``'s protocol.
 
     ``forward`` runs the stage. ``no_sync()``: backward inside accumulates the unsharded gradient locally (no
     reduce-scatter), keeps the gathered parameters, and is not FSDP2's last backward of the step; outside it (the
@@ -190,6 +190,11 @@ class Zero3Stage(nn.Module):
             yield
         finally:
             self._set_sync(True)
+
+    def defer_grad_sync(self, late: Any = ()) -> None:
+        """Nothing to defer: FSDP2 reduces in the stage's last backward and waits there; the engine then sums a tied
+        weight's reduced shards over pp (a sum of dp averages is the dp average of the sums)."""
+        return None
 
     def finish_grad_sync(self) -> None:
         return None

@@ -3,8 +3,8 @@
 Split a model into stages by graph capture (:func:`split`) or bring your own stage modules, run them with
 :class:`PipeEngine` under a schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zb_h1``, ``zbv``, or one you
 register: schedules are plain per-rank instruction lists, checked by :func:`validate_schedule`), compose with TP/DP on
-a named mesh, and record one nD timeline of every rank (:mod:`vescale.pipe.timeline`). Needs only vescale.core and
-torch.
+a named mesh (a stage's own dp reducer follows :class:`StageGradSync`), and record one nD timeline of every rank
+(:mod:`vescale.pipe.timeline`). Needs only vescale.core and torch.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from vescale.pipe import timeline
 from vescale.pipe.engine import PipeEngine, split_microbatches
 from vescale.pipe.errors import PipeError, ScheduleError, SplitError
+from vescale.pipe.grad_sync import StageGradSync
 from vescale.pipe.schedule import (
     Action,
     PipeSchedule,
@@ -35,6 +36,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleReport",
     "SplitError",
+    "StageGradSync",
     "Timeline",
     "add_communication",
     "auto_split_points",

@@ -10,32 +10,31 @@ steps (``optimizer.zero_grad()``).
 Collectives it issues: at construction (and in :meth:`PipeEngine.wrap_stages`), one ``all_gather_object`` over the
 pp group (errors and parameter FQNs);
 per step, first one ``all_gather`` over the pp group of a fixed-size int64 description of the batch and target each
-rank was passed (presence, shapes, dtypes; see ``_describe_batch``), so that a bad or missing batch raises the
-same :class:`PipeError` on every pp rank before any stage waits on another; then p2p sends/receives between
+rank was passed (presence, shapes, dtypes; see :mod:`vescale.pipe.microbatch`), so that a bad or missing batch raises
+the same :class:`PipeError` on every pp rank before any stage waits on another; then p2p sends/receives between
 neighbouring stages (tagged, batched), one ``all_reduce`` over the pp group for parameters held by several stages
 (tied embeddings), one ``all_reduce`` over ``dp`` (when given) of every local gradient not reduced by a stage that
 owns its dp reduction (see below), and one ``broadcast`` of the loss from the rank holding the last stage. Every
-tensor these collectives touch lives on :attr:`PipeEngine.device`, the rank's device (``cuda:<current>`` when the pp
-group is NCCL, else the stages' parameters' device, else CPU).
+tensor these collectives touch lives on :attr:`PipeEngine.device`, the rank's device
+(``vescale.core.launch.rank_device`` of the pp group: ``cuda:<current>`` under NCCL; otherwise the stages'
+parameters' device, else CPU).
 
 Data parallelism, two ways. (1) ``dp_group``: after the step, one flat ``all_reduce`` per gradient dtype averages
 every local gradient over dp, not overlapped with anything (for stages that are plain modules). (2) Stages that own
-their dp gradient reduction: :meth:`PipeEngine.wrap_stages` replaces each local stage by a module implementing the
-*grad-sync protocol* - ``no_sync()`` (a context manager: backward inside only accumulates locally) and
-``finish_grad_sync()`` (complete the reduction) - such as ``vescale.parallel.DistributedDataParallel``. For such a
-stage the engine runs every backward action but the stage's last weight-gradient one (its last ``B`` or ``BW`` of
-the step) under ``no_sync()``, so the stage's own reducer starts reducing during the last microbatch's backward,
-overlapped with the rest of it; after the tied-weight sum over pp it calls ``finish_grad_sync()``, and the flat
-dp all-reduce skips that stage's parameters. The wrapper is told which of the stage's parameters are tied
-(``late`` in :meth:`PipeEngine.wrap_stages`): their gradients are complete only after the pp sum, so it must leave
-them to ``finish_grad_sync()`` (``DistributedDataParallel(late_params=...)``). vescale-pipe does not import the
-reducer: the caller composes the two (``tools/train.py`` does, for every pp x dp mesh).
+their dp gradient reduction: :meth:`PipeEngine.wrap_stages` replaces each local stage by a module; one implementing
+:class:`~vescale.pipe.StageGradSync` (``no_sync``, ``defer_grad_sync``, ``finish_grad_sync``, ``split_backward``;
+e.g. ``vescale.parallel.DistributedDataParallel``) is told its tied parameters once (``defer_grad_sync``: their
+gradients are complete only after the pp sum), runs every backward action but the stage's last weight-gradient one
+(its last ``B`` or ``BW`` of the step) under ``no_sync()``, so its reduction overlaps the last microbatch's
+backward, and gets ``finish_grad_sync()`` after the tied-weight sum over pp; the flat dp all-reduce skips that
+stage's parameters. vescale-pipe does not import the reducer: the caller composes the two (``vescale.plan.build``
+does, for every pp x dp mesh).
 """
 
 from __future__ import annotations
 
 import contextlib
-import zlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,11 +42,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vescale.core.launch import rank_device
 from vescale.core.mesh import dim_group
 from vescale.core.sharded_state import mark_piece
 from vescale.pipe import _p2p
 from vescale.pipe._backward import PendingWeightGrad, backward_full, backward_input, backward_weight
 from vescale.pipe.errors import PipeError, ScheduleError
+from vescale.pipe.grad_sync import (
+    StageGradSync,
+    _local,
+    average_dp_grads,
+    grad_sync_problem,
+    sum_tied_grads,
+    tied_before,
+)
+from vescale.pipe.microbatch import (
+    _BAD,
+    _DESC_LEAVES,
+    _PRESENT,
+    _describe_batch,
+    _first_difference,
+    _leaf_name,
+    _leaf_text,
+    split_microbatches,
+)
 from vescale.pipe.schedule import COMM_OPS, PipeSchedule, build_schedule
 from vescale.pipe.timeline import span
 from vescale.pipe.validate import ScheduleReport, validate_schedule
@@ -56,158 +74,6 @@ __all__ = ["PipeEngine", "split_microbatches"]
 
 _FWD, _BWD = 0, 1
 _CATEGORY = {"F": "forward", "B": "backward", "BI": "backward_input", "BW": "backward_weight"}
-
-# The per-step batch description (_describe_batch): one fixed-size int64 row per argument (batch, target).
-_DESC_LEAVES = 8  # tensor leaves described shape by shape; the digest covers all of them
-_DESC_DIMS = 8    # dims described per leaf; the digest covers all of them
-_LEAF = 2 + _DESC_DIMS  # dtype code, ndim, dims
-_PRESENT, _COUNT, _DIGEST, _BAD = range(4)  # then _DESC_LEAVES leaf slots, then the slot of the first bad leaf
-_DESC_LEN = 4 + _LEAF * (_DESC_LEAVES + 1)
-#: Every torch dtype, in one order that every rank of one torch version agrees on (code = index).
-_DTYPE_CODES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-
-
-def split_microbatches(obj: Any, num_microbatches: int, what: str = "batch") -> list[Any]:
-    """Split every tensor in ``obj`` (tensor, tuple/list, dict, nested) along dim 0 into equal microbatches.
-
-    Non-tensor leaves are repeated in every microbatch. Raises :class:`PipeError` naming the path and shape of a
-    tensor whose dim 0 is not a multiple of ``num_microbatches``.
-    """
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0 or obj.shape[0] % num_microbatches:
-            raise PipeError(f"{what} has shape {tuple(obj.shape)}: dim 0 must be a multiple of "
-                            f"num_microbatches={num_microbatches}")
-        return list(obj.chunk(num_microbatches))
-    if isinstance(obj, (tuple, list)):
-        parts = [split_microbatches(v, num_microbatches, f"{what}[{i}]") for i, v in enumerate(obj)]
-        return [type(obj)(p[m] for p in parts) for m in range(num_microbatches)]
-    if isinstance(obj, Mapping):
-        parts = {k: split_microbatches(v, num_microbatches, f"{what}[{k!r}]") for k, v in obj.items()}
-        return [{k: p[m] for k, p in parts.items()} for m in range(num_microbatches)]
-    return [obj] * num_microbatches
-
-
-def _tensor_leaves(obj: Any) -> tuple[list[torch.Tensor], str]:
-    """The tensor leaves of ``obj``, in :func:`split_microbatches` order, and ``obj``'s skeleton.
-
-    The skeleton names the containers, keys and non-tensor leaf types: two arguments with equal skeletons and equal
-    leaf shapes and dtypes split into microbatches of the same structure.
-    """
-    if isinstance(obj, torch.Tensor):
-        return [obj], "T"
-    if isinstance(obj, (tuple, list)):
-        parts = [_tensor_leaves(v) for v in obj]
-        skeleton = f"{type(obj).__name__}(" + ",".join(sk for _, sk in parts) + ")"
-        return [x for leaves, _ in parts for x in leaves], skeleton
-    if isinstance(obj, Mapping):
-        parts = [(k, _tensor_leaves(v)) for k, v in obj.items()]
-        return ([x for _, (leaves, _) in parts for x in leaves],
-                "{" + ",".join(f"{k!r}:{sk}" for k, (_, sk) in parts) + "}")
-    return [], type(obj).__name__
-
-
-def _describe_batch(obj: Any, num_microbatches: int) -> list[int]:
-    """A fixed-size (``_DESC_LEN``) int64 description of a step argument (batch or target), for comparing on ranks.
-
-    Fields: present (0 for ``None``), number of tensor leaves, a CRC-32 digest of the skeleton and of every leaf's
-    dtype and full shape (so descriptions compare exactly whatever their size), the index of the first tensor leaf
-    that cannot be split into ``num_microbatches`` (0-d, or dim 0 not a multiple; -1 for none), then dtype code,
-    ndim and dims of the first ``_DESC_LEAVES`` leaves, then of that first bad leaf (what error messages show).
-    """
-    row = [0] * _DESC_LEN
-    row[_BAD] = -1
-    if obj is None:
-        return row
-    leaves, skeleton = _tensor_leaves(obj)
-    row[_PRESENT], row[_COUNT] = 1, len(leaves)
-    metas = ";".join(f"{t.dtype}{tuple(t.shape)}" for t in leaves)
-    row[_DIGEST] = zlib.crc32(f"{skeleton}|{metas}".encode())
-    bad = [i for i, t in enumerate(leaves) if t.dim() == 0 or t.shape[0] % num_microbatches]
-    if bad:
-        row[_BAD] = bad[0]
-    slots = list(enumerate(leaves[:_DESC_LEAVES]))
-    if bad:
-        slots.append((_DESC_LEAVES, leaves[bad[0]]))
-    for k, t in slots:
-        base = 4 + k * _LEAF
-        row[base] = _DTYPE_CODES.index(t.dtype) if t.dtype in _DTYPE_CODES else -1
-        row[base + 1] = t.dim()
-        row[base + 2:base + 2 + min(t.dim(), _DESC_DIMS)] = list(t.shape)[:_DESC_DIMS]
-    return row
-
-
-def _leaf_text(row: list[int], slot: int) -> str:
-    """``shape (5, 8), dtype int64`` of leaf slot ``slot`` of a description (``...`` past the described dims)."""
-    base = 4 + slot * _LEAF
-    code, ndim = row[base], row[base + 1]
-    dims = [str(d) for d in row[base + 2:base + 2 + min(ndim, _DESC_DIMS)]] + (["..."] if ndim > _DESC_DIMS else [])
-    shape = "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
-    dtype = str(_DTYPE_CODES[code]).removeprefix("torch.") if code >= 0 else "unknown"
-    return f"shape {shape}, dtype {dtype}"
-
-
-def _desc_text(row: list[int]) -> str:
-    """What a description says, e.g. ``shape (8, 16), dtype int64`` or ``2 tensors: shape ..; shape ..``."""
-    if not row[_PRESENT]:
-        return "nothing (None)"
-    n = row[_COUNT]
-    if n == 1:
-        return _leaf_text(row, 0)
-    shown = "; ".join(_leaf_text(row, k) for k in range(min(n, _DESC_LEAVES)))
-    return f"{n} tensors: {shown}" + ("; ..." if n > _DESC_LEAVES else "")
-
-
-def _leaf_name(what: str, row: list[int], index: int) -> str:
-    return what if row[_COUNT] == 1 else f"{what} tensor #{index} (of {row[_COUNT]}, in flattening order)"
-
-
-def _first_difference(a: list[int], b: list[int]) -> str:
-    """Where two descriptions of present arguments differ, as ``got ... expected ...`` text."""
-    if a[_COUNT] != b[_COUNT]:
-        return f"{_desc_text(a)}, expected {_desc_text(b)}"
-    for k in range(min(a[_COUNT], _DESC_LEAVES)):
-        sa, sb = (r[4 + k * _LEAF:4 + (k + 1) * _LEAF] for r in (a, b))
-        if sa != sb:
-            which = "" if a[_COUNT] == 1 else f"tensor #{k}: "
-            return f"{which}{_leaf_text(a, k)}, expected {_leaf_text(b, k)}"
-    return (f"{_desc_text(a)}, expected {_desc_text(b)} (they differ in their structure, their dims past "
-            f"{_DESC_DIMS}, or their tensors past #{_DESC_LEAVES - 1})")
-
-
-def _rank_device(group: Any, params: list[torch.Tensor]) -> torch.device:
-    """The device of the tensors this rank's engine communicates over ``group``.
-
-    NCCL takes CUDA tensors only: the current CUDA device (the launcher set it to the local rank), even on a rank
-    whose stages hold no trainable parameter. Other backends: the parameters' device, else the CPU.
-    """
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return params[0].device if params else torch.device("cpu")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _grad(p: torch.Tensor) -> torch.Tensor | None:
-    """Where ``p``'s accumulated gradient lives, as a local tensor: the ``main_grad`` a dp reducer keeps it in (its
-    buffer, when the reducer accumulates in another dtype than the parameter's), else ``.grad``."""
-    main = getattr(p, "main_grad", None)
-    if main is not None:
-        return main
-    return None if p.grad is None else _local(p.grad)
-
-
-def _accumulated(p: torch.Tensor) -> torch.Tensor | None:
-    """What ``p``'s gradient holds before a step, as :func:`_grad` reads it; ``None`` when it was cleared.
-
-    A cleared ``.grad`` (``zero_grad(set_to_none=True)``) means nothing is accumulated, even when a dp reducer's
-    ``main_grad`` view still holds the last step's values (the reducer overwrites them with the next gradient). Only
-    a reducer that keeps the gradient in another dtype than the parameter's holds it in ``main_grad`` alone."""
-    main = getattr(p, "main_grad", None)
-    if p.grad is None and (main is None or main.dtype == p.dtype):
-        return None
-    return _grad(p)
 
 
 def _plain(t: Any) -> Any:
@@ -270,10 +136,13 @@ class PipeEngine:
         #: The stage modules as given (their parameter FQNs are the model's), whatever wrap_stages puts around them.
         self._unwrapped: dict[int, nn.Module] = dict(self.stages)
         self._register_parameters(errors)
-        self._sync_owners: dict[int, nn.Module] = {}  # local stage -> its module owning its dp reduction
+        self._sync_owners: dict[int, StageGradSync] = {}  # local stage -> its wrapper owning its dp reduction
         self._last_weight_action: dict[int, tuple[str, int]] = {}  # local stage -> (op, mb) of its last B / BW
         #: The device of every tensor the engine communicates (see the module docstring).
-        self.device = _rank_device(self.group, [p for ps in self._params.values() for p in ps])
+        params = [p for ps in self._params.values() for p in ps]
+        self.device = rank_device(self.group)  # (NCCL: the current CUDA device, whether or not the rank holds params)
+        if self.device.type == "cpu" and params:
+            self.device = params[0].device
         self._step = 0
 
     def _register_parameters(self, errors: list[str]) -> None:
@@ -322,7 +191,8 @@ class PipeEngine:
         """This rank's parameters of local stage ``stage`` that are tied to a parameter of another stage.
 
         Their gradients are complete only after the engine sums them over pp (or over this rank's stages) at the end
-        of a step: a stage owning its dp reduction must reduce them only when :meth:`finish_grad_sync` is called.
+        of a step: :meth:`wrap_stages` hands them to a stage's reducer (``StageGradSync.defer_grad_sync``), which
+        reduces them only in ``finish_grad_sync()``.
         """
         module = self._sync_owners.get(stage, self.stages[stage])
         tied = {id(p) for n, ps in self._params.items() if n in self.shared or len(ps) > 1 for p in ps}
@@ -342,45 +212,50 @@ class PipeEngine:
             out += ps[1:] if first else ps
         return out
 
-    def wrap_stages(self, wrap: Callable[[int, nn.Module, list[nn.Parameter]], nn.Module]) -> None:
-        """Replace each local stage ``s`` by ``wrap(s, stage, late)``, e.g. to own its dp gradient reduction.
+    def wrap_stages(self, wrap: Callable[[int, nn.Module], nn.Module]) -> None:
+        """Replace each local stage ``s`` by ``wrap(s, stage)``, e.g. to own its dp gradient reduction.
 
-        ``late`` is :meth:`tied_parameters` of the stage. The returned module runs the stage's forward. It may keep
-        the stage's parameters (DDP) or replace them in the stage module under the same FQNs (FSDP2 shards them in
-        place): the engine collects them again from the stage modules afterwards, so :meth:`parameters` (what the
-        optimizer gets) and the tied-weight sums see the parameters the stages now hold. When the wrapper follows
-        the grad-sync protocol (``no_sync()`` and ``finish_grad_sync()``, see the module docstring) it owns the
-        stage's dp reduction from the next step on: earlier backward actions run under ``no_sync()``,
-        ``finish_grad_sync()`` follows the tied-weight sum, and ``dp_group``'s flat all-reduce skips its parameters.
-        A wrapper whose reduction runs in autograd hooks that a split backward (``BI`` then ``BW``) does not reach
-        says so with ``split_backward = False``.
+        The returned module runs the stage's forward. It may keep the stage's parameters (DDP) or replace them in
+        the stage module under the same FQNs (FSDP2 shards them in place): the engine collects them again from the
+        stage modules afterwards, so :meth:`parameters` (what the optimizer gets) and the tied-weight sums see the
+        parameters the stages now hold. A wrapper implementing :class:`~vescale.pipe.StageGradSync` owns the stage's
+        dp reduction from the next step on: it gets ``defer_grad_sync(tied_parameters(s))`` now, earlier backward
+        actions run under ``no_sync()``, ``finish_grad_sync()`` follows the tied-weight sum, and ``dp_group``'s flat
+        all-reduce skips its parameters (see the module docstring).
 
         Collective: one ``all_gather_object`` over the pp group (call it on every pp rank). Raises
-        :class:`PipeError` on every pp rank when on any of them a parameter is held by two local stages and either
-        becomes a reduction owner (two reducers of one gradient), or a wrapper with ``split_backward = False`` gets
-        a stage that the schedule runs with ``BI`` / ``BW`` actions (zero-bubble schedules).
+        :class:`PipeError` on every pp rank when on any of them a wrapper implements only part of
+        :class:`~vescale.pipe.StageGradSync`, a parameter is held by two local stages and either becomes a
+        reduction owner (two reducers of one gradient), or a wrapper with ``split_backward = False`` gets a stage
+        that the schedule runs with ``BI`` / ``BW`` actions (zero-bubble schedules).
         """
+        if not _takes_two(wrap):
+            raise PipeError(f"wrap_stages calls wrap(index, stage), and {wrap!r} does not take two arguments; a "
+                            "stage's tied parameters reach its reducer through StageGradSync.defer_grad_sync")
         held: dict[int, list[int]] = {}  # parameter id -> the local stages holding it (before any wrapper runs)
         for s, m in self.stages.items():
             for p in m.parameters():
                 if s not in held.setdefault(id(p), []):
                     held[id(p)].append(s)
-        wrapped = {s: wrap(s, m, self.tied_parameters(s)) for s, m in self.stages.items()}
-        owners = {s: m for s, m in wrapped.items() if callable(getattr(m, "no_sync", None))
-                  and callable(getattr(m, "finish_grad_sync", None))}
-        errors = sorted({f"a parameter is held by local stages {both[0]} and {both[1]} of pp rank {self.pp_rank}; "
-                         "two dp reducers cannot own one gradient" for both in held.values()
-                         if len(both) > 1 and any(s in owners for s in both)})
+        wrapped = {s: wrap(s, m) for s, m in self.stages.items()}
+        errors = sorted(f"stage {s} on pp rank {self.pp_rank}: {why}" for s, m in wrapped.items()
+                        if (why := grad_sync_problem(m)) is not None)
+        owners = {s: m for s, m in wrapped.items() if isinstance(m, StageGradSync)}
+        errors += sorted({f"a parameter is held by local stages {both[0]} and {both[1]} of pp rank {self.pp_rank}; "
+                          "two dp reducers cannot own one gradient" for both in held.values()
+                          if len(both) > 1 and any(s in owners for s in both)})
         acts = self.schedule.actions[self.pp_rank]
         errors += [f"stage {s} on pp rank {self.pp_rank} is wrapped in {type(m).__name__}, whose gradient reduction "
                    f"runs in autograd hooks that a split backward (BI / BW) does not reach; schedule "
                    f"{self.schedule.name!r} splits it: use gpipe, 1f1b or interleaved_1f1b"
-                   for s, m in owners.items() if getattr(m, "split_backward", True) is False
+                   for s, m in owners.items() if m.split_backward is False
                    and any(a.stage == s and a.op in ("BI", "BW") for a in acts)]
         self._register_parameters(errors)
         self.stages = wrapped
         self._sync_owners = owners
         self._last_weight_action = {a.stage: (a.op, a.mb) for a in acts if a.op in ("B", "BW")}
+        for s, m in owners.items():  # (after collecting the parameters: a wrapper may have replaced them)
+            m.defer_grad_sync(self.tied_parameters(s))
 
     def parameters(self) -> list[nn.Parameter]:
         """The distinct trainable parameters of this rank's stages (give them to the optimizer)."""
@@ -419,8 +294,7 @@ class PipeEngine:
         self._losses: dict = {}
         self._sends: list = []
         # Tied gradients are summed over ranks per step: keep what .grad held before, sum only this step's part.
-        self._before = {n: [None if (g := _accumulated(p)) is None else g.clone() for p in self._params.get(n, [])]
-                        for n in self.shared}
+        self._before = tied_before(self.shared, self._params)
         acts = self.schedule.actions[self.pp_rank]
         i = 0
         while i < len(acts):
@@ -441,11 +315,12 @@ class PipeEngine:
         if leftovers:
             raise ScheduleError(f"schedule {self.schedule.name!r} left work undone on pp rank {self.pp_rank}: "
                                 f"{leftovers}")
-        self._reduce_shared()
+        sum_tied_grads(self.shared, self._params, self._before, self.group, self.device)
         for module in self._sync_owners.values():
             with span("dp grad sync (tied)", "collective"):
                 module.finish_grad_sync()
-        self._reduce_dp()
+        owned = {id(p) for m in self._sync_owners.values() for p in m.parameters()}
+        average_dp_grads([p for p in self.parameters() if id(p) not in owned], self.dp_group)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if S - 1 in self.stages:
             loss = torch.stack([self._losses[m] for m in range(M)]).float().mean().to(self.device)
@@ -622,59 +497,14 @@ class PipeEngine:
                 self._out_grads[(a.stage, a.mb)] = bufs
 
     # --------------------------------------------------------- gradient sums
-    def _reduce_shared(self) -> None:
-        """Sum gradients of parameters held by several pp ranks (tied embeddings) over the pp group."""
-        if not self.shared:
-            return
-        flat = []
-        for name, (shape, dtype) in self.shared.items():
-            ps = self._params.get(name)
-            if ps:
-                total = torch.zeros_like(_local(ps[0]))
-                for p, old in zip(ps, self._before[name]):
-                    g = _grad(p)
-                    if g is not None:
-                        total += g if old is None else g - old
-                flat.append(total.reshape(-1))
-            else:
-                flat.append(torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device).reshape(-1))
-        buf = torch.cat(flat)
-        with span("tied grad all_reduce", "collective"):
-            dist.all_reduce(buf, group=self.group)
-        offset = 0
-        for name, (shape, _) in self.shared.items():
-            n = int(torch.Size(shape).numel())
-            for p, old in zip(self._params.get(name, []), self._before[name]):
-                value = buf[offset:offset + n].view(shape)
-                if old is not None:
-                    value = old + value
-                g = _grad(p)
-                if g is None:
-                    p.grad = value.clone()
-                else:
-                    g.copy_(value)
-            offset += n
 
-    def _reduce_dp(self) -> None:
-        """Average every local gradient over the data-parallel group (stage replicas)."""
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
-            return
-        owned = {id(p) for m in self._sync_owners.values() for p in m.parameters()}
-        params = [p for p in self.parameters() if p.grad is not None and id(p) not in owned]
-        if not params:
-            return
-        n = dist.get_world_size(self.dp_group)
-        by_dtype: dict[torch.dtype, list] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        with span("dp grad all_reduce", "collective"):
-            for ps in by_dtype.values():
-                locs = [_local(p.grad) for p in ps]
-                buf = torch.cat([g.reshape(-1) for g in locs])
-                dist.all_reduce(buf, group=self.dp_group)
-                buf /= n
-                offset = 0
-                for g in locs:
-                    g.copy_(buf[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
 
+def _takes_two(fn: Callable) -> bool:
+    """Whether ``fn(index, stage)`` binds (True for a callable without a signature to check: it is just called)."""
+    try:
+        inspect.signature(fn).bind(0, None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vescale.core.launch import rank_device
 from vescale.core.mesh import MeshRoles, init_mesh
 from vescale.plan.spec import DTYPES, ParallelSpec, SpecError
 
@@ -305,15 +306,14 @@ def _needs_ddp(spec: ParallelSpec, roles: MeshRoles) -> bool:
     return roles.dense_grads.size > 1 or spec.zero in (1, 2) or spec.dtype != "fp32"
 
 
-def _ddp(module: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, stage_late=None):
-    from vescale.parallel import DistributedDataParallel
+def _ddp(module: nn.Module, roles: MeshRoles, spec: ParallelSpec):
+    """vescale DDP over the dense-gradient role; with ep over the whole mesh, whose ep dim DDP sums dense gradients
+    over (experts averaged over dp). A pipeline stage's DDP learns its tied weights from the engine
+    (``vescale.pipe.StageGradSync``)."""
+    from vescale.parallel import DDPOptions, DistributedDataParallel
 
-    kw: dict[str, Any] = {"zero_stage": spec.zero, "grad_dtype": _dtype(spec.reduce_dtype)}
-    if stage_late is not None:  # a pipeline stage: tied weights after the engine's pp sum; the engine waits
-        kw.update(late_params=stage_late, wait_in_backward=False)
-    if roles.ep.size > 1:  # dense parameters summed over ep and averaged over dp, experts averaged over dp
-        return DistributedDataParallel(module, roles.mesh, data_dims=("ep",), **kw)
-    return DistributedDataParallel(module, roles.dense_grads.mesh, **kw)
+    options = DDPOptions(zero_stage=spec.zero, grad_dtype=_dtype(spec.reduce_dtype))
+    return DistributedDataParallel(module, roles.mesh if roles.ep.size > 1 else roles.dense_grads.mesh, options)
 
 
 def apply_dp(model: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, engine=None, experts=None):
@@ -329,8 +329,8 @@ def apply_dp(model: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, engine=N
             fully_shard_dp(model, roles.fsdp, mp_policy=policy)
         else:  # the stage was captured in bf16: its parameters become fp32 masters before sharding
             master = torch.float32 if policy is not None else None
-            engine.wrap_stages(lambda i, stage, late: fully_shard_stage(stage, roles.fsdp, mp_policy=policy,
-                                                                        master_dtype=master))
+            engine.wrap_stages(lambda i, stage: fully_shard_stage(stage, roles.fsdp, mp_policy=policy,
+                                                                  master_dtype=master))
         return None
     if not _needs_ddp(spec, roles):
         return None
@@ -338,12 +338,12 @@ def apply_dp(model: nn.Module, roles: MeshRoles, spec: ParallelSpec, *, engine=N
         return _ddp(model, roles, spec)
     wrappers = []
 
-    def wrap(index: int, stage: nn.Module, late: list) -> nn.Module:
+    def wrap(index: int, stage: nn.Module) -> nn.Module:
         if experts:  # this ep rank keeps its experts' rows as plain [E / ep, ...] parameters, marked pieces over ep
             from vescale.parallel import keep_local_experts
 
             keep_local_experts(stage, experts, roles.mesh)
-        wrappers.append(_ddp(stage, roles, spec, stage_late=late))
+        wrappers.append(_ddp(stage, roles, spec))
         return wrappers[-1]
 
     engine.wrap_stages(wrap)
@@ -375,7 +375,7 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
     if mesh is None and (spec.world_size > 1 or (spec.mesh and dist.is_initialized())):
         dims = dict(spec.mesh)
         if spec.size("ep") > 1 and "dp" not in dims and (spec.size("pp") > 1 or spec.zero or spec.dtype != "fp32"):
-            dims = {"dp": 1, **dims}  # DDP's data_dims groups are built over dp x ep
+            dims = {"dp": 1, **dims}  # DDP's groups are built over dp x ep
         mesh = init_mesh(dims)
     roles = MeshRoles.of(mesh)
     pp, ep, cp = roles.pp.size, roles.ep.size, roles.cp.size
@@ -383,8 +383,7 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
         raise SpecError(f"mesh {roles.mesh.mesh_dim_names}: ep with pp, ZeRO or bf16 reduces through DDP over dp x "
                         "ep; give the mesh a dp dim (dp=1 will do)")
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized() and \
-            dist.get_backend() == "nccl" else torch.device("cpu")
+        device = rank_device()
     if spec.dtype != "fp32" and (spec.zero != 3 or pp > 1):  # (ZeRO 3: FSDP2's policy casts fp32 shards)
         with record_deferred(model) if is_deferred(model) else contextlib.nullcontext():
             model.to(_dtype(spec.dtype))
