@@ -162,3 +162,21 @@ def test_owners_balance_cost():
     assert owners == [(0, 0), (1, 0), (0, 0), (1, 0), (0, 0)]
     owners = matrix_owners([(8, 8), (64, 64)], 4, columns=2, replicated=[True, False])
     assert owners == [(1, None), (0, 0)]
+
+
+def test_refusals_name_the_parameter():
+    """Before any collective: a non-2-D parameter or a bf16 one in the matrix optimizer's groups is refused by FQN."""
+    import pytest
+    import torch
+
+    from vescale.parallel import MatrixOptimizer, ZeroError
+
+    net = _net()
+    with pytest.raises(ZeroError, match=r"'a.weight' is torch.bfloat16"):
+        net.a.to(torch.bfloat16)
+        MatrixOptimizer(net, torch.optim.Muon([net.a.weight]))
+    net = _net()
+    muon = torch.optim.Muon([net.a.weight])
+    muon.param_groups[0]["params"].append(net.norm.weight)  # Muon's own check runs only at construction
+    with pytest.raises(ZeroError, match=r"'norm.weight' has shape \(16,\); only 2-D"):
+        MatrixOptimizer(net, muon)

@@ -77,7 +77,9 @@ def _run(mesh: dict, zero: int, clip: float | None) -> None:
 
 @multi_rank(world_sizes=[4])
 def test_make_optimizer_muon_dp2_tp2_and_dp4():
-    """dp=2 x tp=2 ZeRO 1 with clipping and ZeRO 3; dp=4 ZeRO 2; dp=4 ZeRO 0 (every rank steps its row's owners)."""
+    """dp=2 x tp=2 ZeRO 1 with clipping, ZeRO 3, and ZeRO 0 (every dp rank steps its tp row's owners); dp=4 ZeRO 2
+    with clipping."""
     _run({"dp": 2, "tp": 2}, 1, 1.0)
     _run({"dp": 2, "tp": 2}, 3, None)
+    _run({"dp": 2, "tp": 2}, 0, 1.0)
     _run({"dp": 4}, 2, 0.5)

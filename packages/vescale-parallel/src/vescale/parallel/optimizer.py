@@ -128,7 +128,8 @@ class DistributedOptimizer:
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ZeroError(f"expected a torch.optim.Optimizer class or instance, got {optimizer_cls_or_instance!r}")
         if cls.__name__ in _NOT_ELEMENTWISE:
-            raise ZeroError(f"{cls.__name__} is not elementwise and cannot run on flat ZeRO shards")
+            raise ZeroError(f"{cls.__name__} is not elementwise and cannot run on flat ZeRO shards (Muon: "
+                            "vescale.parallel.DistributedMatrixOptimizer steps it by whole matrices)")
         if instance is not None and (instance.state or kw):
             raise ZeroError("pass a freshly built optimizer instance (no state) and no extra keyword arguments")
         self.ddp = module
