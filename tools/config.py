@@ -89,7 +89,8 @@ def parallel_spec(cfg: TrainConfig) -> ParallelSpec:
 
 
 #: What a run writes into ``--out`` (``collectives-rank*.json`` and ``flight-recorder-rank*`` too, after a hang)
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "timeline.json", "timeline.png", "ckpt", "export-hf-ckpt")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "timeline.json", "timeline.png", "ckpt", "export-hf-ckpt",
+               "tensorboard")
 
 
 def prepare_out(cfg: TrainConfig, *, under_launcher: bool) -> None:

@@ -37,6 +37,7 @@ from torch import nn
 from vescale.core.comm import count_comms
 from vescale.core.launch import init_distributed, rank_device, spawn
 from vescale.core.mesh import mesh_coordinates
+from vescale.core.preemption import forward_signals
 from vescale.core.watchdog import watch_collectives
 
 # The other vescale packages are imported where they are used: a spawned rank imports this file before it joins.
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             dist.destroy_process_group()
     else:
-        summary = spawn(train_watched, spec.world_size, cfg, collective_timeout=cfg.collective_timeout)
+        with forward_signals(["SIGTERM"] + ([cfg.preempt_signal] if cfg.preempt_signal else [])):  # to the ranks
+            summary = spawn(train_watched, spec.world_size, cfg, collective_timeout=cfg.collective_timeout)
     if summary and not cfg.quiet:
         print(json.dumps({k: v for k, v in summary.items() if k != "peak_memory_mb_per_rank"}, default=str))
         print(f"peak memory per rank (MB): {summary['peak_memory_mb_per_rank']}; outputs in {cfg.out}/")

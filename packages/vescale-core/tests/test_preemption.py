@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from vescale.core.preemption import PreemptionGuard, signal_number
+from vescale.core.preemption import PreemptionGuard, forward_signals, signal_number
 from vescale.core.testing import multi_rank
 
 
@@ -46,3 +46,31 @@ def test_signal_names():
         signal_number("SIGNOPE")
     with pytest.raises(ValueError, match="every"):
         PreemptionGuard(every=0)
+
+
+def _child(conn) -> None:
+    got = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    conn.send("ready")
+    while not got:
+        signal.pause()
+    conn.send(got[0])
+
+
+def test_a_launcher_forwards_the_signal_to_its_children():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # no torch in the child: a cheap process
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_child, args=(there,), daemon=True)
+    child.start()
+    try:
+        assert here.poll(60) and here.recv() == "ready"
+        before = signal.getsignal(signal.SIGUSR1)
+        with forward_signals(["SIGUSR1"]):
+            os.kill(os.getpid(), signal.SIGUSR1)  # to the launcher: it survives, the child gets it
+            assert here.poll(60) and here.recv() == signal.SIGUSR1
+        assert signal.getsignal(signal.SIGUSR1) is before
+    finally:
+        child.join(10)
+        child.kill()

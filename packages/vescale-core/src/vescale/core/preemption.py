@@ -16,15 +16,18 @@ all-reduce (MAX) of a one-element flag, so every rank sees ``True`` at the same 
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PreemptionGuard", "signal_number"]
+__all__ = ["PreemptionGuard", "forward_signals", "signal_number"]
 
 
 def signal_number(name: str | int | signal.Signals) -> signal.Signals:
@@ -92,3 +95,26 @@ class PreemptionGuard:
         if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def forward_signals(signals: Iterable[str | int]) -> Iterator[None]:
+    """Inside ``with``, each of ``signals`` this process receives is sent on to its live ``multiprocessing`` children
+    instead of acting here: a launcher that started its ranks itself (``vescale.core.spawn``) passes a scheduler's
+    preemption signal on to them, where a :class:`PreemptionGuard` stops them cleanly, and the launcher returns
+    their result. Main thread only; the previous handlers are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("forward_signals installs signal handlers: enter it from the main thread")
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for child in multiprocessing.active_children():
+            if child.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in dict.fromkeys(signal_number(s) for s in signals)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
