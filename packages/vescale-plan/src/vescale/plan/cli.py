@@ -143,6 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.2f} MB"
+
+
 def _gb(x: float) -> str:
     return f"{x:8.2f} GB"
 
@@ -284,11 +288,11 @@ def _dry_run(args, spec, c: CostEstimate) -> int:
     print(f"\n## dry run: rank {args.rank} of {args.world_size}, coordinate {result.coordinate} "
           f"({', '.join(f'{k} {v:.1f} s' for k, v in result.seconds.items())})", file=out)
     estimate = {"parameters": c.weights_gb, "gradients": c.grads_gb, "optimizer": c.states_gb}
-    print(f"  {'bytes per rank':<14}{'exact':>12}{'estimate':>12}", file=out)
+    print(f"  {'bytes per rank':<14}{'exact':>14}{'estimate':>14}", file=out)
     for name, est in estimate.items():
         got = result.bytes.get(name)
-        exact = f"{got / 2**30:9.2f} GB" if got is not None else "   not built"
-        print(f"  {name:<14}{exact:>12}{est:9.2f} GB", file=out)
+        exact = _size(got) if got is not None else "not built"
+        print(f"  {name:<14}{exact:>14}{_size(est * 2**30):>14}", file=out)
     for name, detail in result.checks.items():
         print(f"  ok   {name}: {detail}", file=out)
     for name, detail in result.failed.items():
