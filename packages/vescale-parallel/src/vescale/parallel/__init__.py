@@ -44,7 +44,8 @@ from vescale.parallel.experts import (  # expert parallelism
 )
 from vescale.parallel.kv_replicas import replicate_kv_heads  # part 1: TP/SP (GQA, kv heads < tp)
 from vescale.parallel.loss import loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
-from vescale.parallel.muon import DistributedMatrixOptimizer, MatrixOptimizer, hidden_matrices, matrix_owners
+from vescale.parallel.matrix_optimizer import DistributedMatrixOptimizer, MatrixOptimizer  # Muon under ZeRO, TP
+from vescale.parallel.muon import hidden_matrices, matrix_owners  # Muon under ZeRO, TP
 from vescale.parallel.optimizer import DistributedOptimizer  # part 2: DP/ZeRO
 from vescale.parallel.parallelize import parallelize_module, plan_report  # part 1: TP/SP
 from vescale.parallel.plan_grammar import Plan, check_plan  # part 1: TP/SP

@@ -9,8 +9,8 @@ momentum (the whole matrix) and runs torch's own ``Muon`` on the whole matrix, s
 One step, per matrix (all matrices of one phase batched into one ``all_to_all_single``):
 
 1. dp gather (ZeRO 2 and 3: each dp rank holds a flat range of the TP-local gradient, and with ZeRO 3 of the
-   parameter): the ranges go to the owner's dp rank only, over the dp group (ZeRO 0/1 skip it: every dp rank holds
-   the whole reduced TP-local gradient);
+   parameter): the ranges go to the owner's dp rank only, over the dp group (ZeRO 0, and 1 without clipping, skip
+   it: every dp rank holds the whole reduced TP-local gradient);
 2. tp gather (a TP-sharded DTensor: ``Shard(d)`` over a 1-D tp mesh): the owner's dp rank in every tp column sends
    its TP-local gradient and parameter to the owner, which concatenates them along ``d`` (a matrix replicated over
    tp is owned by every tp rank of the owner's dp row, each computing the same update);
@@ -24,17 +24,17 @@ Bytes moved per matrix of ``N`` elements (fp32): at most ``N`` gradient in, ``N`
 Memory per rank: the momentum of the matrices it owns (about ``1 / (dp x tp)`` of all, balanced by cost), plus,
 with tp > 1 or ZeRO 3, a whole-matrix copy of each owned matrix that torch's Muon steps.
 
-Checkpoints (:meth:`MatrixOptimizer.sharded_state_dict`): ``state.<fqn>.momentum_buffer`` is one box, the whole
-global matrix, on its owner; that is the ``RaggedShard`` of the matrices' concatenation by owner (:meth:`layout`)
-written as boxes of each global tensor, so a checkpoint loads on another dp or tp size (owners move) or into a plain
-``torch.optim.Muon``.
+The optimizers built on this step are :mod:`vescale.parallel.matrix_optimizer`'s. In their checkpoints
+(``sharded_state_dict``) ``state.<fqn>.momentum_buffer`` is one box, the whole global matrix, on its owner: the
+``RaggedShard`` of the matrices' concatenation by owner (:meth:`_MatrixStep.layout`) written as boxes of each global
+tensor, so a checkpoint loads on another dp or tp size, whose owners differ.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +47,8 @@ from vescale.core.sharded_state import Box, ShardedTensor, init_optimizer_state
 from vescale.core.torch_internals import local_tensor
 from vescale.dtensor import RaggedShard
 from vescale.parallel.errors import ZeroError
-from vescale.parallel.optimizer import DistributedOptimizer
 
-__all__ = ["MatrixOptimizer", "DistributedMatrixOptimizer", "matrix_owners", "hidden_matrices"]
+__all__ = ["matrix_owners", "hidden_matrices"]
 
 
 def hidden_matrices(module: nn.Module) -> list[str]:
@@ -358,232 +357,6 @@ def _check_matrix(fqn: str, p: torch.Tensor) -> None:
     if p.dtype != torch.float32:
         raise ZeroError(f"matrix optimizer: parameter {fqn!r} is {p.dtype}; the distributed Muon steps fp32 "
                         "parameters only (bf16 masters are not supported yet)")
-
-
-def _names(modules: Iterable[nn.Module]) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for module in modules:
-        for name, p in module.named_parameters():
-            names.setdefault(id(p), name)
-    return names
-
-
-class MatrixOptimizer:
-    """A matrix optimizer (``torch.optim.Muon``) plus an elementwise one for the other parameters, over plain,
-    TP-sharded (DTensor ``Shard(d)``/``Replicate`` on a 1-D tp mesh) or FSDP2-sharded (ZeRO 3: ``Shard(0)`` over
-    dp, optionally x tp) parameters, equal to one device's two optimizers.
-
-    ``matrix``: a freshly built ``torch.optim.Muon`` over 2-D fp32 parameters of ``modules`` (its groups and
-    hyper-parameters are the ones stepped); ``rest``: a torch optimizer over the remaining parameters (stepped as is,
-    elementwise on any shard), or None. ``dp_mesh_dim``/``tp_mesh_dim``: the mesh dims of the parameters' DTensor mesh
-    that are FSDP2's dp shard and tp (None: absent). Without a dp dim (ZeRO 0), every data rank holds whole TP-local
-    gradients and computes every update of its dp row's owners (the replicated result). Collectives per step: see the
-    module docstring (all_to_all over dp and tp); the rest optimizer's own (none for plain torch).
-    """
-
-    def __init__(self, modules: nn.Module | list[nn.Module], matrix: torch.optim.Optimizer,
-                 rest: torch.optim.Optimizer | None = None, *, dp_dim: str = "dp", tp_dim: str = "tp") -> None:
-        modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-        if matrix.state:
-            raise ZeroError("pass a freshly built matrix optimizer (no state)")
-        names = _names(modules)
-        matrices, dp_group, dp, dp_rank, tp_group, tp, tp_rank = [], None, 1, 0, None, 1, 0
-        for gi, group in enumerate(matrix.param_groups):
-            for p in group["params"]:
-                fqn = names.get(id(p))
-                if fqn is None:
-                    raise ZeroError(f"matrix optimizer group {gi} holds a tensor of shape {tuple(p.shape)} that is "
-                                    "not a parameter of the modules")
-                _check_matrix(fqn, p)
-                dims = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-                dp_mesh_dim = dims.index(dp_dim) if dp_dim in dims else None
-                tp_mesh_dim = dims.index(tp_dim) if tp_dim in dims else None
-                if tp_mesh_dim is not None:
-                    tp_group, tp = p.device_mesh.get_group(tp_mesh_dim), p.device_mesh.size(tp_mesh_dim)
-                    tp_rank = p.device_mesh.get_local_rank(tp_mesh_dim)
-                sharded_dim, tp_sizes, _ = _tp_layout(fqn, p, tp_mesh_dim)
-                if dp_mesh_dim is not None:
-                    dp_group, dp = p.device_mesh.get_group(dp_mesh_dim), p.device_mesh.size(dp_mesh_dim)
-                    dp_rank = p.device_mesh.get_local_rank(dp_mesh_dim)
-                    rows = p.shape[0] if sharded_dim != 0 else tp_sizes[tp_rank]
-                    cols = p.shape[1] if sharded_dim != 1 else tp_sizes[tp_rank]
-                    per = -(-rows // dp)
-                    ranges = [(min(rows, r * per) * cols, min(rows, (r + 1) * per) * cols) for r in range(dp)]
-                    lo, hi = ranges[dp_rank]
-                    if local_tensor(p).numel() != hi - lo:
-                        raise ZeroError(f"matrix optimizer: parameter {fqn!r} (placements {p.placements}) holds "
-                                        f"{tuple(local_tensor(p).shape)} here, not rows [{lo // max(cols, 1)}, "
-                                        f"{hi // max(cols, 1)}) of its TP-local matrix; unsupported ZeRO 3 layout")
-                    matrices.append(_Matrix(fqn, p, gi, tuple(p.shape), sharded_dim, tp_sizes, ranges,
-                                            _grad_of(p), _data_of(p), None, None))
-                else:
-                    numel = local_tensor(p).numel()
-                    matrices.append(_Matrix(fqn, p, gi, tuple(p.shape), sharded_dim, tp_sizes, [(0, numel)],
-                                            _grad_of(p), _data_of(p), _grad_of(p), _data_of(p)))
-        self.matrix = _MatrixStep(matrices, matrix, dp_group=dp_group,
-                                  dp_size=dp, dp_rank=dp_rank, tp_group=tp_group, tp_size=tp, tp_rank=tp_rank)
-        self.rest = rest
-        self._rest_fqns = [[names.get(id(p), "?") for p in g["params"]] for g in rest.param_groups] if rest else []
-        self._hooks: list[Callable[[], None]] = []
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The elementwise optimizer's groups, then the matrix optimizer's (set ``lr`` here for a schedule)."""
-        return (self.rest.param_groups if self.rest is not None else []) + self.matrix.optimizer.param_groups
-
-    def register_step_pre_hook(self, hook: Callable[..., None]) -> None:
-        """Run ``hook(self)`` before each step (e.g. gradient clipping)."""
-        self._hooks.append(hook)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for m in self.matrix.matrices:
-            m.param.grad = None if set_to_none else m.param.grad
-        if self.rest is not None:
-            self.rest.zero_grad(set_to_none)
-        if not set_to_none:
-            for m in self.matrix.matrices:
-                if m.param.grad is not None:
-                    m.param.grad.zero_()
-
-    def step(self, closure=None):
-        """Hooks, the elementwise optimizer's step, then the owners' matrix step (collectives over dp and tp)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for hook in self._hooks:
-            hook(self)
-        if self.rest is not None:
-            self.rest.step()
-        self.matrix.step()
-        return loss
-
-    def layout(self) -> RaggedShard:
-        """Which rank owns which matrices' state (see :meth:`_MatrixStep.layout`)."""
-        return self.matrix.layout()
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: the owned momenta and the elementwise optimizer's state."""
-        rest = 0
-        if self.rest is not None:
-            rest = sum(local_tensor(v).numel() * v.element_size() for st in self.rest.state.values()
-                       for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return self.matrix.state_bytes() + rest
-
-    # -- the sharded-state protocol (vescale.core.sharded_state) --------------------------------------------------
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The owned momenta as whole-matrix boxes of the global parameters, and the elementwise optimizer's state
-        (DTensor values as they are), under a torch optimizer's checkpoint keys."""
-        out: dict[str, Any] = {}
-        self.matrix.sharded_state_dict(out)
-        if self.rest is not None:
-            for fqns, group in zip(self._rest_fqns, self.rest.param_groups):
-                for fqn, p in zip(fqns, group["params"]):
-                    out[f"param_groups.{fqn}"] = _hparams(group)
-                    for name, value in self.rest.state.get(p, {}).items():
-                        out[f"state.{fqn}.{name}"] = value
-        return out
-
-    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Apply hyper-parameters a load filled (tensors were filled in place)."""
-        self.matrix.load_sharded_state_dict(state)
-        if self.rest is not None:
-            for fqns, group in zip(self._rest_fqns, self.rest.param_groups):
-                for fqn in fqns:
-                    for k, v in state.get(f"param_groups.{fqn}", {}).items():
-                        group[k] = v
-
-    def init_sharded_state(self) -> None:
-        """Build both optimizers' lazy state (lr-0 steps; no collectives) so a load can fill it."""
-        self.matrix.init_state()
-        if self.rest is not None and not self.rest.state:
-            init_optimizer_state(self.rest)
-
-
-class DistributedMatrixOptimizer(DistributedOptimizer):
-    """ZeRO 1/2 (over a :class:`~vescale.parallel.DistributedDataParallel`) with a matrix optimizer: ``matrix`` (a
-    fresh ``torch.optim.Muon`` over 2-D fp32 parameters of the DDP module) stepped by whole-matrix owners, ``rest``
-    (a fresh elementwise optimizer over the other parameters) on flat ZeRO pieces as
-    :class:`~vescale.parallel.DistributedOptimizer` does.
-
-    The matrices' gradients are the DDP buffers' (ZeRO 1 without clipping: every dp rank holds them whole, so only
-    the tp gather moves them; ZeRO 2, or ZeRO 1 with clipping: the owner gathers the clipped flat pieces); their new
-    values are scattered back into every rank's master piece and leave with the bucket all-gather of the step, with
-    the rest. TP: DTensors ``Shard(d)``/``Replicate`` on a 1-D tp mesh. Not supported (raised at construction):
-    DDP ``data_dims`` (ep), parameters other than fp32.
-    """
-
-    def __init__(self, module, matrix: torch.optim.Optimizer, rest: torch.optim.Optimizer, *, zero_stage: int = 1,
-                 clip_grad: float | None = None, pp_group: dist.ProcessGroup | None = None) -> None:
-        if matrix.state:
-            raise ZeroError("pass a freshly built matrix optimizer (no state)")
-        super().__init__(module, rest, zero_stage=zero_stage, clip_grad=clip_grad, pp_group=pp_group)
-        matrices, reduction, tp_group, tp, tp_rank = [], None, None, 1, 0
-        for gi, group in enumerate(matrix.param_groups):
-            for p in group["params"]:
-                piece = self.pieces.get(p)
-                if piece is None:
-                    raise ZeroError(f"matrix optimizer group {gi} holds a tensor of shape {tuple(p.shape)} that is "
-                                    "not a gradient-requiring parameter of the DDP module")
-                _check_matrix(piece.fqn, p)
-                slot = piece.slot
-                reduction = slot.bucket.buffer.reduction
-                if reduction.summed:
-                    raise ZeroError(f"matrix optimizer: parameter {piece.fqn!r} is reduced over "
-                                    f"{reduction.name}; DDP data_dims (ep) are not supported")
-                tp_mesh_dim = None
-                if isinstance(p, DTensor):
-                    if p.device_mesh.ndim != 1:
-                        raise ZeroError(f"matrix optimizer: parameter {piece.fqn!r} lives on mesh "
-                                        f"{p.device_mesh.mesh_dim_names} ({p.placements}); only a 1-D tp mesh")
-                    tp_mesh_dim = 0
-                    tp_group, tp, tp_rank = p.device_mesh.get_group(0), p.device_mesh.size(0), \
-                        p.device_mesh.get_local_rank(0)
-                sharded_dim, tp_sizes, _ = _tp_layout(piece.fqn, p, tp_mesh_dim)
-                ranges = [self._owned(slot.bucket, slot, r) for r in range(reduction.size)]
-                whole = zero_stage == 0 or (zero_stage == 1 and clip_grad is None)
-                matrices.append(_Matrix(
-                    piece.fqn, p, gi, tuple(p.shape), sharded_dim, tp_sizes, ranges,
-                    grad_piece=lambda piece=piece: piece.grad, param_piece=lambda piece=piece: piece.master,
-                    grad_local=(lambda slot=slot: slot.view().reshape(-1)) if whole else None,
-                    param_local=_data_of(p)))
-        dp_group = reduction.group if reduction is not None else None
-        dp_size = reduction.size if reduction is not None else 1
-        dp_rank = reduction.rank if reduction is not None else 0
-        self.matrix = _MatrixStep(matrices, matrix, dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank,
-                                  tp_group=tp_group, tp_size=tp, tp_rank=tp_rank)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The elementwise optimizer's groups, then the matrix optimizer's (set ``lr`` here for a schedule)."""
-        return self.optimizer.param_groups + self.matrix.optimizer.param_groups
-
-    def _update(self) -> None:
-        super()._update()
-        self.matrix.step()
-
-    def layout(self) -> RaggedShard:
-        """Which rank owns which matrices' state (see :meth:`_MatrixStep.layout`)."""
-        return self.matrix.layout()
-
-    def state_bytes(self) -> int:
-        return super().state_bytes() + self.matrix.state_bytes()
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The elementwise pieces' state (:class:`DistributedOptimizer`'s) and the owned momenta as whole-matrix
-        boxes of the global parameters."""
-        out = super().sharded_state_dict()
-        self.matrix.sharded_state_dict(out)
-        return out
-
-    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_sharded_state_dict(state)
-        self.matrix.load_sharded_state_dict(state)
-
-    def init_sharded_state(self) -> None:
-        super().init_sharded_state()
-        self.matrix.init_state()
 
 
 def _grad_of(p: torch.Tensor) -> Callable[[], torch.Tensor]:
