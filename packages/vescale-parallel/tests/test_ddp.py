@@ -328,3 +328,10 @@ def test_removed_keywords_are_refused_naming_their_new_spelling():
     assert DDPOptions(zero_stage=2) == DDPOptions(zero_stage=2) != DDPOptions()
     ddp = DistributedDataParallel(model, None, DDPOptions(grad_dtype=None))  # one data rank: no process group needed
     assert ddp.options.grad_dtype is None and ddp.grad_buffers[0].data.dtype == torch.float32
+    ddp.defer_grad_sync([model.weight])  # the tied weight gets its own trailing bucket, reduced in finish_grad_sync
+    assert [[s.fqn for s in b.slots] for b in ddp.buckets] == [["bias"], ["weight"]]
+    ddp(torch.ones(1, 2)).sum().backward()
+    ddp.finish_grad_sync()
+    assert torch.equal(model.weight.grad, torch.ones(2, 2)) and torch.equal(model.bias.grad, torch.ones(2))
+    with pytest.raises(DDPError, match="before the first backward"):
+        ddp.defer_grad_sync()

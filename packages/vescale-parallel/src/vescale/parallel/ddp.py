@@ -269,7 +269,8 @@ class DistributedDataParallel(nn.Module):
         if unknown:
             raise DDPError(f"defer_grad_sync: late[{unknown[0]}] (shape {tuple(late[unknown[0]].shape)}) is not a "
                            "trainable parameter of the wrapped module")
-        if self._dirty or any(b.shard_holds or b.full is not None for b in self.buckets):
+        if self._dirty or any(b.shard_holds or b.full is not None for b in self.buckets) or any(
+                s.param.grad is not None for s in self.slots.values()):
             raise DDPError("defer_grad_sync must be called before the first backward (it lays the gradient buckets "
                            "out again); gradients are already held")
         self._wait_in_backward = False

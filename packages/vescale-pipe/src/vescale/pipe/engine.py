@@ -194,9 +194,16 @@ class PipeEngine:
         of a step: :meth:`wrap_stages` hands them to a stage's reducer (``StageGradSync.defer_grad_sync``), which
         reduces them only in ``finish_grad_sync()``.
         """
-        module = self._sync_owners.get(stage, self.stages[stage])
-        tied = {id(p) for n, ps in self._params.items() if n in self.shared or len(ps) > 1 for p in ps}
-        return [p for p in module.parameters() if id(p) in tied]
+        # by name: the stage module holds the current parameters, also while a wrapper that replaced them in place
+        # (FSDP2) is being set up and before the engine has collected them again
+        tied = {n for n, ps in self._params.items() if n in self.shared or len(ps) > 1}
+        module = self._unwrapped[stage]
+        aliases = getattr(module, "canonical_names", {})
+        out: dict[int, nn.Parameter] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if p.requires_grad and aliases.get(name, name) in tied:
+                out.setdefault(id(p), p)
+        return list(out.values())
 
     def tied_copies(self) -> list[nn.Parameter]:
         """The local parameters whose gradient, after a step, another holder also has and counts in a global norm.
@@ -225,9 +232,10 @@ class PipeEngine:
 
         Collective: one ``all_gather_object`` over the pp group (call it on every pp rank). Raises
         :class:`PipeError` on every pp rank when on any of them a wrapper implements only part of
-        :class:`~vescale.pipe.StageGradSync`, a parameter is held by two local stages and either becomes a
-        reduction owner (two reducers of one gradient), or a wrapper with ``split_backward = False`` gets a stage
-        that the schedule runs with ``BI`` / ``BW`` actions (zero-bubble schedules).
+        :class:`~vescale.pipe.StageGradSync` or its ``defer_grad_sync`` raises, a parameter is held by two local
+        stages and either becomes a reduction owner (two reducers of one gradient), or a wrapper with
+        ``split_backward = False`` gets a stage that the schedule runs with ``BI`` / ``BW`` actions (zero-bubble
+        schedules).
         """
         if not _takes_two(wrap):
             raise PipeError(f"wrap_stages calls wrap(index, stage), and {wrap!r} does not take two arguments; a "
@@ -250,12 +258,16 @@ class PipeEngine:
                    f"{self.schedule.name!r} splits it: use gpipe, 1f1b or interleaved_1f1b"
                    for s, m in owners.items() if m.split_backward is False
                    and any(a.stage == s and a.op in ("BI", "BW") for a in acts)]
+        for s, m in owners.items():  # before the gather below, so that a refusal is raised on every pp rank
+            try:
+                m.defer_grad_sync(self.tied_parameters(s))
+            except Exception as exc:  # noqa: BLE001 (whatever the reducer raises, every rank must hear of it)
+                errors.append(f"stage {s} on pp rank {self.pp_rank}: {type(m).__name__}.defer_grad_sync raised "
+                              f"{type(exc).__name__}: {exc}")
         self._register_parameters(errors)
         self.stages = wrapped
         self._sync_owners = owners
         self._last_weight_action = {a.stage: (a.op, a.mb) for a in acts if a.op in ("B", "BW")}
-        for s, m in owners.items():  # (after collecting the parameters: a wrapper may have replaced them)
-            m.defer_grad_sync(self.tied_parameters(s))
 
     def parameters(self) -> list[nn.Parameter]:
         """The distinct trainable parameters of this rank's stages (give them to the optimizer)."""
