@@ -196,9 +196,9 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
     if cfg.export_hf and not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         problems.append(f"--export-hf needs a Hugging Face model (a model directory or one of "
                         f"{sorted(models.HF_MODELS)}); {cfg.model} has no transformers class")
-    if cfg.optimizer == "muon" and (cfg.dtype != "fp32" or pp > 1 or ep > 1):
-        problems.append(f"--optimizer muon steps fp32 parameters without pp or ep (got --dtype {cfg.dtype}, pp={pp}, "
-                        f"ep={ep})")
+    if cfg.optimizer == "muon" and (cfg.dtype != "fp32" or ep > 1 or (pp > 1 and cfg.zero == 3)):
+        problems.append(f"--optimizer muon steps fp32 parameters without ep, and ZeRO 0-2 with pp (got --dtype "
+                        f"{cfg.dtype}, ep={ep}, pp={pp} with --zero {cfg.zero})")
     if cfg.preempt_signal is not None:
         from vescale.core.preemption import signal_number
 

@@ -36,12 +36,13 @@ def _run(mesh: dict, zero: int, clip: float | None) -> None:
     from vescale.plan import ParallelSpec, build
 
     what = f"{mesh} zero{zero} clip={clip}"
+    full_model = _model()
+    hidden = set(hidden_matrices(full_model))
+    assert hidden and all(".attn." in n or ".mlp." in n for n in hidden), hidden
     par = build(_model(), ParallelSpec(mesh=mesh, zero=zero, tp_plan="gpt" if "tp" in mesh else "auto"),
                 batch_size=BATCH, seq_len=SEQ)
     opt = par.make_optimizer(torch.optim.Muon, clip_grad=clip, rest=(torch.optim.AdamW, ADAMW), **MUON)
-    ref = _model()
-    hidden = set(hidden_matrices(ref))
-    assert hidden and all(".attn." in n or ".mlp." in n for n in hidden), hidden
+    ref = full_model
     named = dict(ref.named_parameters())
     muon = torch.optim.Muon([named[n] for n in hidden], **MUON)
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in hidden], **ADAMW)
@@ -57,9 +58,10 @@ def _run(mesh: dict, zero: int, clip: float | None) -> None:
         for p in ref.parameters():
             p.grad = None
         F.cross_entropy(ref(inputs).flatten(0, 1), targets.flatten()).backward()
-        for n, p in named.items():
-            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=f"{what} step {step} grad {n}")
-            p.grad = grads[n].clone()  # the update check: the same gradients
+        assert grads, what
+        for n, g in grads.items():  # with pp: this rank's stage
+            torch.testing.assert_close(g, named[n].grad, rtol=1e-5, atol=1e-7, msg=f"{what} step {step} grad {n}")
+            named[n].grad = g.clone()  # the update check: the same gradients
         opt.step()
         if clip is not None:
             norm = opt.grad_norm if getattr(opt, "grad_norm", None) is not None else par.grad_norm
@@ -68,8 +70,7 @@ def _run(mesh: dict, zero: int, clip: float | None) -> None:
                 p.grad.mul_(coef)
         muon.step()
         adamw.step()
-        model = par.model
-        for n, p in model.named_parameters():
+        for n, p in (n_p for m in par.modules for n_p in m.named_parameters()):
             got = full(p)
             assert torch.equal(got, named[n].detach()), \
                 f"{what} step {step} {n}: max diff {(got - named[n].detach()).abs().max()}"
@@ -83,3 +84,9 @@ def test_make_optimizer_muon_dp2_tp2_and_dp4():
     _run({"dp": 2, "tp": 2}, 3, None)
     _run({"dp": 2, "tp": 2}, 0, 1.0)
     _run({"dp": 4}, 2, 0.5)
+
+
+@multi_rank(world_sizes=[4])
+def test_make_optimizer_muon_pp2_dp2():
+    """pp=2 x dp=2, ZeRO 1 with clipping over the stages: each stage's DDP and its own owners."""
+    _run({"pp": 2, "dp": 2}, 1, 1.0)

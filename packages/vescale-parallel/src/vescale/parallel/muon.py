@@ -51,14 +51,20 @@ from vescale.parallel.errors import ZeroError
 __all__ = ["matrix_owners", "hidden_matrices"]
 
 
+#: Module names of output heads and embeddings, for a pipeline stage that holds the head without the embedding table
+_NOT_HIDDEN = {"lm_head", "head", "output", "embed_out", "wte", "wpe", "embed", "embed_tokens", "tok_embeddings"}
+
+
 def hidden_matrices(module: nn.Module) -> list[str]:
     """FQNs of ``module``'s hidden 2-D weights, Muon's usual share: every 2-D parameter but embeddings (of an
-    ``nn.Embedding``) and the output head (a 2-D weight with as many rows as an embedding table, or tied to one)."""
+    ``nn.Embedding``, or of a module named like one) and the output head (a 2-D weight with as many rows as an
+    embedding table, tied to one, or of a module named ``lm_head``/``head``/``output``)."""
     embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     vocab = {m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)}
     out = []
     for name, p in module.named_parameters():
-        if p.ndim == 2 and id(p) not in embeddings and p.shape[0] not in vocab:
+        owner = name.rsplit(".", 2)[-2] if "." in name else ""
+        if p.ndim == 2 and id(p) not in embeddings and p.shape[0] not in vocab and owner not in _NOT_HIDDEN:
             out.append(name)
     return out
 
