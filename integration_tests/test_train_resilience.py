@@ -21,6 +21,7 @@ from vescale.core.testing import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "integration_tests"))  # test_multinode's process helpers
 import config  # noqa: E402
 import resilience  # noqa: E402
 import train  # noqa: E402
@@ -133,3 +134,48 @@ def test_bad_steps_are_skipped_then_stop_with_a_checkpoint_of_the_last_good_stat
     assert set(first) == set(last_good)
     for key in first:  # the skipped steps changed no weight and no optimizer state
         assert torch.equal(first[key], skipped[key]) and torch.equal(first[key], last_good[key]), key
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_the_uninterrupted_one(tmp_path):
+    """Two torchrun agents on loopback (one rank each, c10d rendezvous, ``--max-restarts 3``), ``--resume auto``
+    with a checkpoint every 2 steps: a rank SIGKILLed mid-run makes torchrun restart the group, which resumes from
+    the newest checkpoint; the final weights and optimizer state are the uninterrupted run's."""
+    import uuid
+
+    import torch
+    from test_multinode import MARKER, RANK_ENV, _kill_marked, _tail
+
+    from vescale.core.launch import free_port
+
+    steps, out, whole = 12, tmp_path / "restarted", tmp_path / "whole"
+    job = [*COMMON, "--steps", str(steps), "--ckpt-every", "2", "--quiet"]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "--rdzv-id", "restart", str(ROOT / "tools" / "train.py"), *job, "--resume", "auto", "--out", str(out)]
+    token = uuid.uuid4().hex
+    env = {**{k: v for k, v in os.environ.items() if k not in RANK_ENV}, MARKER: token}
+    logs = [tmp_path / f"agent{n}.log" for n in range(2)]
+    agents = []
+    try:
+        for log in logs:
+            agents.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"),  # noqa: SIM115
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 600
+        while not ((out / "ckpt" / "step_4" / "metadata.json").exists() and len(_records(out)) >= 5):
+            assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, _tail(logs[0])
+            time.sleep(0.02)
+        kids = Path(f"/proc/{agents[0].pid}/task/{agents[0].pid}/children").read_text().split()
+        worker = next(int(p) for p in kids if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(worker, signal.SIGKILL)  # agent 0's rank, in the middle of the run
+        codes = [a.wait(timeout=max(1.0, deadline - time.monotonic())) for a in agents]
+    finally:
+        _kill_marked(token)
+    assert codes == [0, 0], "\n".join(_tail(log) for log in logs)
+    text = "".join(log.read_text() for log in logs)
+    assert "--resume auto: resuming from" in text and "exitcode: -9" in text, text[-4000:]
+
+    run_on_ranks(train.train, 2, config.parse_args([*job, "--out", str(whole)], ""))
+    got, want = _read_checkpoint(out / "ckpt" / f"step_{steps}"), _read_checkpoint(whole / "ckpt" / f"step_{steps}")
+    assert sorted(got) == sorted(want) and any(k.endswith("exp_avg") for k in got)
+    for key in want:  # the same ranks, mesh and data order: the resumed job is the uninterrupted one, bitwise
+        assert torch.equal(got[key], want[key]), key

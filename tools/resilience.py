@@ -84,6 +84,7 @@ class Resilience:
             self.optimizer.step()
         except NonFiniteStepError as exc:
             self.save(step + 1, wait=True)
+            self.preempt.__exit__(None, None, None)  # the signal handlers back as they were (a pooled rank lives on)
             raise NonFiniteStepError(f"step {step + 1}: {exc}; last good state saved in "
                                      f"{self.out / 'ckpt' / f'step_{step + 1}'}") from None
 
