@@ -179,3 +179,16 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_the_uninterrupted_o
     assert sorted(got) == sorted(want) and any(k.endswith("exp_avg") for k in got)
     for key in want:  # the same ranks, mesh and data order: the resumed job is the uninterrupted one, bitwise
         assert torch.equal(got[key], want[key]), key
+
+
+def test_refusals_name_the_flag_or_the_missing_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    cfg = config.parse_args([*COMMON, "--tensorboard", "--preempt-signal", "SIGNOPE", "--max-bad-steps", "-1"], "")
+    with pytest.raises(SystemExit) as refused:
+        config.check_fits(cfg)
+    for part in ("--tensorboard needs the tensorboard package", "--preempt-signal: unknown signal 'SIGNOPE'",
+                 "--max-bad-steps -1 must be at least 0"):
+        assert part in str(refused.value), str(refused.value)
