@@ -62,6 +62,11 @@ class MatrixOptimizer:
                 dims = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
                 dp_mesh_dim = dims.index(dp_dim) if dp_dim in dims else None
                 tp_mesh_dim = dims.index(tp_dim) if tp_dim in dims else None
+                other = [f"{d}: {pl}" for i, (d, pl) in enumerate(zip(dims, p.placements if dims else ()))
+                         if i not in (dp_mesh_dim, tp_mesh_dim) and not pl.is_replicate()]
+                if other:
+                    raise ZeroError(f"matrix optimizer: parameter {fqn!r} is split over mesh dims other than "
+                                    f"dp_dim={dp_dim!r} and tp_dim={tp_dim!r} ({', '.join(other)}); name them")
                 if tp_mesh_dim is not None:
                     tp_group, tp = p.device_mesh.get_group(tp_mesh_dim), p.device_mesh.size(tp_mesh_dim)
                     tp_rank = p.device_mesh.get_local_rank(tp_mesh_dim)

@@ -206,8 +206,9 @@ class Parallelized:
         if self.ddp is not None and self.spec.zero in (1, 2):
             return DistributedMatrixOptimizer(self.ddp, matrix, other, zero_stage=self.spec.zero,
                                               clip_grad=clip_grad, pp_group=self.roles.pp.group)
+        shard_dim = "dp_shard" if "dp_shard" in self.spec.mesh else "dp"  # HSDP: replicas step alike
         opt = MatrixOptimizer(self.modules, matrix, other,
-                              dp_dim="dp" if self.spec.zero == 3 else "_none_", tp_dim="tp")
+                              dp_dim=shard_dim if self.spec.zero == 3 else "_none_", tp_dim="tp")
         if clip_grad:
             opt.register_step_pre_hook(lambda *_: self.clip_grad_norm_(clip_grad))
         return opt
