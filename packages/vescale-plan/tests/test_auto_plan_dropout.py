@@ -122,3 +122,46 @@ def test_dropout_module_gets_a_reducing_input_and_functional_dropout_refuses_the
     roles = {d.fqn: d.role for d in plan_from_trace(trace_model(_NoDrop()), ["tp"], {"tp": 2}).decisions
              if d.kind == "parameter"}
     assert roles["block.down"] == "row"
+
+
+@multi_rank(world_sizes=[2])
+def test_gpt2_training_mode_eager_matches_and_fused_attention_dropout_is_refused(world_size):
+    """GPT-2 with its default dropout (attention, residual, embedding: 0.1) in training mode on tp=2: with
+    ``attn_implementation="eager"`` (attention dropout through ``nn.Dropout`` on head-sharded probabilities) logits,
+    loss and gradients equal one device with the same RNG (rtol 1e-5); with its default SDPA, whose CPU kernel draws
+    the attention dropout mask itself, the forward raises ``NotImplementedError`` naming the fix on every rank (it
+    crashed on a plain causal mask before)."""
+    import transformers as T
+
+    from vescale.core.mesh import init_mesh
+    from vescale.dtensor import random
+    from vescale.parallel import parallelize_module
+    from vescale.plan import auto_plan
+
+    def gpt2(attn: str):
+        torch.manual_seed(0)
+        config = T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_implementation=attn)
+        assert config.attn_pdrop > 0 and config.resid_pdrop > 0 and config.embd_pdrop > 0
+        return T.GPT2LMHeadModel(config).train()
+
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    mesh = init_mesh({"tp": 2})
+    ref = gpt2("eager")
+    random.manual_seed(0)
+    with random.single_device():
+        out = ref(input_ids=ids, labels=ids)
+        out.loss.backward()
+    model = gpt2("eager")
+    parallelize_module(model, mesh, auto_plan(model, mesh, example_kwargs={"input_ids": ids, "labels": ids}))
+    random.manual_seed(0)
+    got = model(input_ids=ids, labels=ids)
+    got.loss.backward()
+    torch.testing.assert_close(got.logits, out.logits, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[n].grad, rtol=1e-5, atol=1e-5,
+                                   msg=n)
+
+    model = gpt2("sdpa")
+    parallelize_module(model, mesh, auto_plan(model, mesh, example_kwargs={"input_ids": ids, "labels": ids}))
+    with pytest.raises(NotImplementedError, match="attn_implementation='eager'"):
+        model(input_ids=ids, labels=ids)

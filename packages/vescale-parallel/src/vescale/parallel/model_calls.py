@@ -68,6 +68,18 @@ def _drop_legacy_empty(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "tensors": kept}
 
 
+def _refuse_attention_dropout(args: tuple, kwargs: dict) -> None:
+    """Raise the attention-dropout refusal for a DTensor query with ``dropout_p > 0``, on every rank alike (the
+    arguments are SPMD). With dropout, torch's CPU dispatch picks the math path, which builds its causal mask as a
+    plain tensor (a mixed Tensor/DTensor crash) before the fused kernel's rule could refuse it."""
+    query = args[0] if args else kwargs.get("query")
+    p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+    if isinstance(query, DTensor) and isinstance(p, (int, float)) and p > 0:
+        from vescale.dtensor.sharding_rules import ATTENTION_DROPOUT_ERROR
+
+        raise NotImplementedError(ATTENTION_DROPOUT_ERROR.format(p=p))
+
+
 def _mask_like_query(args: tuple, kwargs: dict) -> dict:
     """``kwargs`` with a DTensor ``attn_mask`` laid out like the query: sharded on the batch / heads where the query
     is and the mask has that dim in full (it broadcasts from the right against ``(batch, heads, q_len, kv_len)``),
@@ -319,6 +331,7 @@ def correct_call(func, args: tuple, kwargs: dict) -> tuple[bool, Any, tuple, dic
     elif func in _INDEX_FUNCTIONS:
         args = _index_as_dtensors(args)
     elif func is F.scaled_dot_product_attention:
+        _refuse_attention_dropout(args, kwargs)
         out = func(*args, **_mask_like_query(args, kwargs))
         return True, relaid_as_declared(out), args, kwargs
     elif func in _EMBEDDING_FUNCTIONS:

@@ -4,10 +4,14 @@ device.
 The architectures come from transformers' own auto mapping (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), not from a hand-
 picked list. Of those, encoder families (also in the masked-LM mapping), encoder-decoder models and composite
 (multimodal) configs are not decoder-only and are listed as skipped. Each remaining architecture is built from a
-small config (its defaults, with the sizes shrunk where the config has them) and run the way its users call it: its
-default attention implementation, ``use_cache`` as the config says, ``input_ids`` with ``labels``, so the model's own
-loss. The single-device reference is the same call on the unparallelized model on each rank. The parallel run is
-a plan + ``parallelize_module`` on the given mesh, each data-parallel rank passing its own rows. Plan sources:
+small config (its defaults, with the sizes shrunk where the config has them; its dropout rates untouched) and run the
+way its users train it: ``model.train()``, its default attention implementation, ``use_cache`` as the config says,
+``input_ids`` with ``labels``, so the model's own loss. The single-device reference is the same call on the
+unparallelized model on each rank, with vescale's counter RNG (:mod:`vescale.dtensor.random`: ``manual_seed`` then
+``single_device()``), so its dropout masks are the ones any layout must reproduce bitwise. The parallel run is a plan
++ ``parallelize_module`` on the given mesh, each data-parallel rank passing its own rows, after the same
+``manual_seed`` (its DTensor random ops take the counter RNG; plain-tensor ones stay torch's, as in a user's loop).
+Plan sources:
 ``auto_plan`` (called as users call it: its defaults, so no sequence parallelism), ``auto_plan+sp``
 (``sequence_parallel=True``) and ``transformers`` (the model's own ``base_model_tp_plan`` via
 :func:`~vescale.plan.hf_tp_plan.from_transformers_tp_plan`, where it has one).
@@ -27,6 +31,7 @@ Each case ends in one of:
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,6 +43,7 @@ RTOL, ATOL = 1e-5, 1e-5  # fp32
 # models that upcast parts to fp32 themselves (softmax(..., dtype=torch.float32)) keep fp32 rounding in fp64 runs.
 RTOL64, ATOL64 = 1e-6, 1e-6
 SEQ, ROWS_PER_RANK = 8, 2
+RNG_SEED = 0  # vescale.dtensor.random's seed for the reference and the parallel run alike
 POOL_CASES = 24  # cases run by one pool of ranks before it is restarted
 MAX_PARAMETERS = 20_000_000  # a small config that stays larger than this is skipped (memory of 2 x 4 ranks)
 #: The auto_plan plan sources and the keyword arguments each passes (``auto_plan`` alone: its defaults).
@@ -51,9 +57,8 @@ _SIZES: dict[str, Any] = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16,
     "q_lora_rank": 32, "rotary_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
     "topk_group": 1, "sliding_window": 16, "layer_types": None, "use_cache": None, "pad_token_id": 0,
-    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": None, "attention_dropout": 0.0,
-    "hidden_dropout": 0.0, "dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-}
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": None,
+}  # no dropout field: every config keeps its own default dropout, run in training mode
 
 
 @dataclass
@@ -150,7 +155,7 @@ def _model(arch: str, cls_name: str, dtype=None):
                          f"shrink); over the sweep's limit of {MAX_PARAMETERS / 1e6:.0f}M")
     torch.manual_seed(0)
     model = getattr(transformers, cls_name)(config)
-    return model.to(dtype or torch.float32).eval()
+    return model.to(dtype or torch.float32).train()
 
 
 def _batch(world_rows: int, vocab: int):
@@ -197,7 +202,7 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype, pl
 
     from vescale.core.errors import VescaleError
     from vescale.core.mesh import init_mesh
-    from vescale.dtensor import count_comms
+    from vescale.dtensor import count_comms, random
     from vescale.parallel import parallelize_module
     from vescale.plan.auto_plan import auto_plan
     from vescale.plan.hf_tp_plan import from_transformers_tp_plan
@@ -212,8 +217,10 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype, pl
         # the copy to parallelize is taken before the reference runs: some models keep non-leaf tensors from a
         # forward (RecurrentGemma's cached state), which deepcopy refuses
         par = copy.deepcopy(ref)
-        ref_out = ref(input_ids=ids, labels=ids)
-        ref_out.loss.backward()
+        random.manual_seed(RNG_SEED)
+        with random.single_device():  # dropout from vescale's counter RNG: the masks any layout must reproduce
+            ref_out = ref(input_ids=ids, labels=ids)
+            ref_out.loss.backward()
     except Exception as e:  # noqa: BLE001
         result.result, result.reason = "skipped", f"single-device reference fails: {type(e).__name__}: {e}"
         return result
@@ -230,6 +237,7 @@ def _run_zoo_case(arch: str, cls_name: str, mesh_dims: dict[str, int], dtype, pl
         else:
             plan = from_transformers_tp_plan(par, mesh)
         parallelize_module(par, mesh, plan)
+        random.manual_seed(RNG_SEED)  # after planning: the same sequence numbers as the reference's calls
         with count_comms() as comms:
             out = par(input_ids=ids[mine], labels=ids[mine])
             out.loss.backward()
@@ -290,12 +298,13 @@ def has_transformers_tp_plan(arch: str) -> bool:
 
 
 def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = None, *,
-            plans: tuple[str, ...] = ("auto_plan",), timeout: float = 300) -> list[ZooResult]:
+            plans: tuple[str, ...] = ("auto_plan",), timeout: float = 300,
+            on_result: Callable[[ZooResult], None] | None = None) -> list[ZooResult]:
     """Sweep ``archs`` (default: every decoder-only architecture) on pooled CPU ranks of ``mesh_dims``, with each
     plan source of ``plans`` (``"auto_plan"``, ``"auto_plan+sp"``; ``"transformers"``: the model's own TP plan, where
     it has one; see the module docstring), one call per case: a rank that dies or hangs (``timeout`` seconds) costs
-    that case an ``error``, and the pool is
-    rebuilt for the next one."""
+    that case an ``error``, and the pool is rebuilt for the next one. ``on_result`` is called with each result as it
+    comes (progress of a long sweep)."""
     import math
 
     from vescale.core.errors import RankError, RankTimeoutError
@@ -317,6 +326,8 @@ def run_zoo(mesh_dims: dict[str, int], archs: list[tuple[str, str]] | None = Non
         except (RankError, RankTimeoutError) as e:
             first = " ".join(str(e).split())[:200]
             results.append(ZooResult(arch, cls_name, mesh_name, plan, "error", f"a rank failed: {first}"))
+        if on_result is not None:
+            on_result(results[-1])
     return results
 
 
