@@ -139,6 +139,16 @@ class MatrixOptimizer:
                        for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         return self.matrix.state_bytes() + rest
 
+    def state_dict(self) -> dict[str, Any]:
+        """``{"matrix": ..., "rest": ...}``: the owners' whole-matrix state by FQN and the elementwise optimizer's
+        own state dict; loads into the same layout only (:meth:`sharded_state_dict` reshards)."""
+        return {"matrix": self.matrix.state_dict(), "rest": self.rest.state_dict() if self.rest is not None else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.matrix.load_state_dict(state_dict["matrix"])
+        if self.rest is not None:
+            self.rest.load_state_dict(state_dict["rest"])
+
     # -- the sharded-state protocol (vescale.core.sharded_state) --------------------------------------------------
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -238,6 +248,15 @@ class DistributedMatrixOptimizer(DistributedOptimizer):
 
     def state_bytes(self) -> int:
         return super().state_bytes() + self.matrix.state_bytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        """:class:`DistributedOptimizer`'s state dict (the elementwise pieces) with ``"matrix"``: the owners'
+        whole-matrix state by FQN; loads into the same layout only (:meth:`sharded_state_dict` reshards)."""
+        return {**super().state_dict(), "matrix": self.matrix.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.matrix.load_state_dict(state_dict["matrix"])
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """The elementwise pieces' state (:class:`DistributedOptimizer`'s) and the owned momenta as whole-matrix

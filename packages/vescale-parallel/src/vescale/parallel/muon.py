@@ -341,6 +341,33 @@ class _MatrixStep:
             for k, v in sd.get(f"param_groups.{m.fqn}", {}).items():
                 group[k] = tuple(v) if k == "ns_coefficients" else v
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's owned state by FQN (whole matrices), the owners and the groups' hyper-parameters."""
+        state = {m.fqn: dict(self.optimizer.state.get(m.work, {})) for m in self.matrices if self.owns(m)}
+        return {"owners": {m.fqn: list(m.owner) for m in self.matrices}, "state": state,
+                "param_groups": [_hparams(g) for g in self.optimizer.param_groups]}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` of the same layout (same owners); another layout raises naming the first FQN
+        whose owner moved (reshard through ``sharded_state_dict`` and vescale-checkpoint instead)."""
+        for m in self.matrices:
+            saved = sd["owners"].get(m.fqn)
+            if saved is None or tuple(saved) != tuple(m.owner):
+                raise ZeroError(f"matrix optimizer state: {m.fqn!r} was owned by {saved}, here by {list(m.owner)}; "
+                                "load another layout through vescale.checkpoint")
+        for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+            group.update({k: tuple(v) if k == "ns_coefficients" else v for k, v in saved.items()})
+        self.init_state()
+        for m in self.matrices:
+            if self.owns(m):
+                for name, value in sd["state"].get(m.fqn, {}).items():
+                    mine = self.optimizer.state[m.work]
+                    if isinstance(value, torch.Tensor):
+                        mine[name].copy_(value)
+                    else:
+                        mine[name] = value
+
     def init_state(self) -> None:
         owned = [m for m in self.matrices if self.owns(m)]
         if owned and not self.optimizer.state:
