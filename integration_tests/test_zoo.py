@@ -1,17 +1,19 @@
 """The zoo sweep (``vescale.plan.zoo``, ``tools/zoo.py``) in CI: unmodified Hugging Face causal LMs, planned by
 ``auto_plan`` (its defaults, and with ``sequence_parallel=True``; and, where the model has one, its own transformers TP
-plan translated by ``vescale.plan.from_transformers_tp_plan``) and called the default way (``use_cache`` as
-configured, ``labels=``), against one device on tp=2 and dp=2 x tp=2.
+plan translated by ``vescale.plan.from_transformers_tp_plan``) and called the way users train them (``model.train()``
+with the config's own dropout, ``use_cache`` as configured, ``labels=``), against one device running vescale's
+counter RNG, on tp=2 and dp=2 x tp=2.
 
 The whole sweep (every decoder-only architecture of the installed transformers, both meshes) takes far longer than
 CI's budget on 2 cores, so CI runs a fixed sample: the architectures of the regressions this sweep was built for
-(Llama with the default cache, GPT-NeoX's per-head fused qkv, Qwen3, OPT, Starcoder2, Llama-4's MoE whose dp x tp
-gradients were wrong through a nested view, Mamba's sequence mixer) plus every eighth
-architecture of transformers' own sorted list (the sample moves with transformers' list, it is not hand-picked).
-``python tools/zoo.py`` runs all of it and writes the table into docs/zoo.md.
+(Llama with the default cache, GPT-NeoX's per-head fused qkv, Qwen3, OPT - whose residual dropout met a partial sum
+in training mode -, Starcoder2, Llama-4's MoE whose dp x tp gradients were wrong through a nested view, Mamba's
+sequence mixer) plus every eighth architecture of transformers' own sorted list (the sample moves with transformers'
+list, it is not hand-picked). ``python tools/zoo.py`` runs all of it and writes the table into docs/zoo.md.
 
-Asserted: no architecture gives a wrong result (``mismatch``), every outcome other than pass carries its reason, and
-the regression architectures pass on both meshes under ``auto_plan``, with and without sequence parallelism.
+Asserted, for every sampled architecture and plan source: it passes, or it ends exactly as the named list below says
+(``refused`` or ``skipped``, with a reason that names the limit). An ``error`` (a crash), a ``mismatch`` (a wrong
+result), an unlisted refusal or skip, and a listed case that now passes (the list must stay true) all fail CI.
 """
 
 from __future__ import annotations
@@ -19,6 +21,24 @@ from __future__ import annotations
 import pytest
 
 REGRESSIONS = ["llama", "gpt_neox", "qwen3", "opt", "starcoder2", "llama4_text", "mamba"]
+
+#: transformers TP-plan styles that ``from_transformers_tp_plan`` does not translate (it refuses the plan, naming
+#: the style, before any collective): their behaviour is code of the module they name, not a layout.
+UNTRANSLATED_STYLES = {
+    "moe_tp_experts": "runs transformers' expert module on local shards with its own all-reduce; vescale plans "
+                      "experts through auto_plan's opaque-module pairing instead",
+    "mla_kv_a_proj": "multi-head latent attention's compressed kv projection: a module-specific split of its output",
+}
+
+#: (architecture, plan source or "*") -> (outcome, text the reason contains, why it is a limit and not a vescale bug)
+KNOWN: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("bamba", "*"): ("skipped", "can only be called on Attention layers",
+                     "transformers' own CPU forward of the small config fails (its cache has no attention layer)"),
+    ("deepseek_v32", "*"): ("skipped", "must match the size of tensor b",
+                            "transformers' own CPU forward of the small config fails (indexer shapes)"),
+    ("lfm2_moe", "*"): ("skipped", "'NoneType' object is not subscriptable",
+                        "transformers' own CPU forward of the small config fails"),
+}
 
 
 def _sample() -> list[tuple[str, str]]:
@@ -29,8 +49,20 @@ def _sample() -> list[tuple[str, str]]:
     return [a for a in archs if a[0] in picked]
 
 
+def _expected(arch: str, plan: str, reason: str) -> tuple[str, str] | None:
+    """``(outcome, text)`` a case of the named list must end in, or ``None`` (it must pass)."""
+    known = KNOWN.get((arch, plan)) or KNOWN.get((arch, "*"))
+    if known is not None:
+        return known[0], known[1]
+    if plan == "transformers":
+        style = next((s for s in UNTRANSLATED_STYLES if f"style '{s}' is not translated" in reason), None)
+        if style is not None:
+            return "refused", f"style '{style}' is not translated"
+    return None
+
+
 @pytest.mark.parametrize("mesh", [{"tp": 2}, {"dp": 2, "tp": 2}], ids=["tp2", "dp2xtp2"])
-def test_zoo_sample_matches_single_device_or_refuses(mesh):
+def test_zoo_sample_matches_single_device_or_is_a_named_refusal(mesh):
     pytest.importorskip("transformers")
     from vescale.plan.zoo import run_zoo, zoo_table
 
@@ -38,8 +70,14 @@ def test_zoo_sample_matches_single_device_or_refuses(mesh):
     table = zoo_table(results)
     wrong = [r for r in results if r.result == "mismatch"]
     assert not wrong, f"wrong results (never acceptable):\n{table}"
-    assert all(r.reason for r in results if r.result != "pass"), table
-    for arch in REGRESSIONS:
-        for plan in ("auto_plan", "auto_plan+sp"):
-            (r,) = [r for r in results if r.arch == arch and r.plan == plan]
-            assert r.result == "pass", f"{arch} ({plan}): {r.result}: {r.reason}\n{table}"
+    unexplained = []
+    for r in results:
+        want = _expected(r.arch, r.plan, r.reason)
+        if want is None and r.result != "pass":
+            unexplained.append(f"{r.arch} ({r.plan}): {r.result}: {r.reason}")
+        elif want is not None and (r.result != want[0] or want[1] not in r.reason):
+            unexplained.append(f"{r.arch} ({r.plan}): {r.result} where the named list says {want[0]} "
+                               f"({want[1]!r}): {r.reason or 'no reason'}")
+    assert not unexplained, "\n".join(unexplained) + f"\n{table}"
+    for arch in REGRESSIONS:  # the regressions run under both auto_plan sources (a sample change cannot drop them)
+        assert {r.plan for r in results if r.arch == arch} >= {"auto_plan", "auto_plan+sp"}, arch
