@@ -46,13 +46,18 @@ class _MetaScalars(TorchFunctionMode):
     token-id range check); a meta tensor has none, and the dry run checks shapes, not values."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.histc and args and args[0].is_meta and not args[0].is_floating_point():
+            # models that count tokens per expert call histc on integer ids off the CPU (Mixtral); DTensor's
+            # propagation runs the CPU kernel on fake tensors, which has no integer histc: count in float
+            return torch.histc(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
         name = getattr(func, "__name__", "")
         if name in _SCALAR_READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             t = args[0]
             if name == "tolist":
                 return torch.zeros(t.shape, dtype=t.dtype).tolist()
             return True if name == "__bool__" else 0
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
