@@ -8,21 +8,28 @@ Each ``tests`` session has its own venv holding one package, only the vescale si
 ``packages/``, never from a registry) and its test extras, which proves the packages install and work separately.
 torch is pinned to 2.13 so no venv ever downloads a multi-GB CUDA build.
 
+torch (and what it requires) is installed once, into a shared base folder beside the venvs (``.nox/_torch-base``),
+that every venv with a vescale package sees through a ``.pth`` file; each venv installs the rest itself. Every
+package declares torch, so the base adds nothing a venv would not hold anyway, and it holds no vescale package:
+isolation is unchanged. The base's exact torch build is the requirement of each venv's pip call, so no
+resolver backtracking (s3fs's botocore ranges) can swap in another torch build (a multi-GB CUDA one).
+
 Venvs are kept between runs and installed once: the vescale packages are installed editable (``pip install -e``), so
 a source change needs no reinstall, and each venv holds a stamp of what it was installed from (the requirement list
 and the packages' ``pyproject.toml`` files). A run whose stamp matches skips pip entirely; a changed dependency,
-extra or requirement reinstalls. ``nox -N -s ...`` rebuilds a venv from scratch.
+extra or requirement reinstalls. ``nox -N -s ...`` rebuilds a venv from scratch; ``rm -r .nox`` the base too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).parent
-TORCH = "torch==2.13.*"
+TORCH = "torch==2.13.*"  # resolved by pip's own configuration (find-links, indexes): the CPU build here
 # What tools/ imports beyond the packages: transformers (--model llama/mixtral/gpt2/a HF directory, --export-hf,
 # tools/generate.py), tokenizers (the default corpus's BPE, --tokenizer DIR; also a transformers dependency),
 # matplotlib (loss.png, timeline.png). safetensors comes with vescale-checkpoint, numpy with vescale-core.
@@ -44,19 +51,57 @@ PACKAGES: dict[str, list[str]] = {
 # (s3fs and a local moto server; kept out of [test] so a dev venv of every package resolves fast without them).
 TEST_EXTRAS: dict[str, str] = {"vescale-checkpoint": "[test,s3]"}
 STAMP = "vescale-install.sha256"
+# pytest's list of the slowest tests in every CI log (wall clock, setup and call separately).
+DURATIONS = "--durations=25"
+
+
+def _torch_base(session: nox.Session) -> str | None:
+    """Make torch importable in this venv from the shared base folder (installed once); return the base's torch pin.
+
+    The base is installed by this venv's pip with ``--target`` (a plain folder, ignoring what the venv holds) and
+    stamped like a venv: a base whose stamp names the same torch requirement and Python is reused. A ``.pth`` file
+    puts it on the venv's ``sys.path`` after the venv's own site-packages. The pin is the exact version the base
+    holds (``torch==2.13.0+cpu`` here), read from its metadata. Returns None when installs are skipped
+    (``--no-install``).
+    """
+    base = Path(session.virtualenv.location).parent / "_torch-base"
+    site, stamp = base / "site-packages", base / STAMP
+    paths = session.run_install("python", "-c", "import sys, sysconfig; print(sys.version, '|', "
+                                "sysconfig.get_paths()['purelib'])", silent=True)
+    if paths is None:  # --no-install: nothing is installed, the venv keeps what it has
+        return None
+    python, purelib = (part.strip() for part in paths.rsplit("|", 1))
+    key = hashlib.sha256("\0".join([TORCH, python]).encode()).hexdigest()
+    if not (stamp.is_file() and stamp.read_text() == key):
+        stamp.unlink(missing_ok=True)
+        if site.exists():
+            shutil.rmtree(site)
+        session.install("--no-compile", "--target", str(site), TORCH)
+        stamp.write_text(key)
+    versions = [d.name.removesuffix(".dist-info").split("-", 1)[1] for d in site.glob("torch-*.dist-info")]
+    assert len(versions) == 1, f"{site} should hold one torch, holds {versions}"
+    strays = sorted(d.name for d in site.glob("vescale*"))
+    assert not strays, f"{site} holds vescale packages {strays}: a venv would import packages it does not declare"
+    (Path(purelib) / "_vescale_torch_base.pth").write_text(f"{site}\n")
+    return f"torch=={versions[0]}"
 
 
 def _install(session: nox.Session, packages: list[str], extras: dict[str, str] | str = "",
              requirements: tuple[str, ...] = ()) -> None:
     """Install ``packages`` editable with torch 2.13 (each with its extras) and ``requirements``, unless already done.
 
-    One pip call, so the local directories satisfy the sibling requirements by name. Skipped when the venv's stamp
-    says it holds exactly this: the same requirement list, the same pyproject.toml files, the same checkout path (an
-    editable install points at it). vescale packages not in ``packages`` (left by an older package list) are removed,
+    torch comes from the shared base (:func:`_torch_base`); one pip call installs the rest, so the local directories
+    satisfy the sibling requirements by name. Skipped when the venv's stamp says it holds exactly this: the same
+    requirement list (with the base's torch pin), the same pyproject.toml files, the same checkout path (an editable
+    install points at it). vescale packages not in ``packages`` (left by an older package list) are removed,
     so a reused venv proves isolation as a fresh one does.
     """
     extra_of = extras if isinstance(extras, dict) else dict.fromkeys(packages, extras)
-    pip_args = [TORCH] if packages else []
+    # torch from the shared base, pinned to the build it holds: pip finds it installed and never swaps it.
+    pin = _torch_base(session) if packages else ""
+    if pin is None:  # --no-install
+        return
+    pip_args = [pin] if packages else []
     for p in packages:
         pip_args += ["-e", f"{ROOT / 'packages' / p}{extra_of.get(p, '')}"]
     pip_args += requirements
@@ -108,7 +153,8 @@ def tests(session: nox.Session, package: str) -> None:
     packages = PACKAGES[package] + [package]
     _install(session, packages, extras={p: TEST_EXTRAS.get(p, "[test]") for p in packages})
     _check_only(session, packages)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "packages" / package / "tests"), *session.posargs)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", DURATIONS, str(ROOT / "packages" / package / "tests"),
+                *session.posargs)
 
 
 @nox.session
@@ -121,7 +167,7 @@ def integration(session: nox.Session) -> None:
     Select part of the matrix with pytest options, e.g. ``nox -s integration -- -k ws4``.
     """
     _install(session, list(PACKAGES), extras="[test]", requirements=tuple(TOOLS))
-    session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "integration_tests"), *session.posargs)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", DURATIONS, str(ROOT / "integration_tests"), *session.posargs)
 
 
 @nox.session
