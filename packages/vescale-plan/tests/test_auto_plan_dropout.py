@@ -165,3 +165,46 @@ def test_gpt2_training_mode_eager_matches_and_fused_attention_dropout_is_refused
     parallelize_module(model, mesh, auto_plan(model, mesh, example_kwargs={"input_ids": ids, "labels": ids}))
     with pytest.raises(NotImplementedError, match="attn_implementation='eager'"):
         model(input_ids=ids, labels=ids)
+
+
+class _Router(nn.Module):
+    """Data-dependent routing (``int()`` of a tensor: not traceable on meta, so opaque) that samples in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(32, 16))
+        self.w_out = nn.Parameter(torch.randn(16, 32))
+
+    def forward(self, x):
+        if self.training:
+            x = x * torch.rand_like(x)
+        k = int((x > 0).sum()) % 2
+        return F.linear(F.linear(x, self.w_in).tanh(), self.w_out) * (k + 1)
+
+
+class _MoeModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.moe = _Router()
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(h + self.moe(h))
+
+
+def test_random_op_inside_an_opaque_module_is_refused_in_training_mode_only():
+    """A random op inside a module that runs on local shards as plain tensors (opaque: not traceable on meta) cannot
+    draw one device's values: planning it in training mode raises ``PlanError`` naming the op and the module; in
+    eval mode (no random op runs) the same model plans, its opaque pair sharded."""
+    from vescale.core.errors import PlanError
+    from vescale.plan import plan_from_trace
+    from vescale.plan.trace import trace_model
+
+    model = _MoeModel()
+    with pytest.raises(PlanError, match=r"rand_like in moe .*inside moe"):
+        plan_from_trace(trace_model(model.train()), ["tp"], {"tp": 2})
+    plan = plan_from_trace(trace_model(model.eval()), ["tp"], {"tp": 2})
+    roles = {d.fqn: d.role for d in plan.decisions if d.kind == "parameter"}
+    assert roles["moe.w_in"] == "column" and roles["moe.w_out"] == "row", roles
