@@ -16,6 +16,8 @@ ctx = ti.ExplicitRedistributionContext
 torch_hook = ctx.__dict__["observe_redistribution"]
 handlers = dict(ti.dtensor_custom_op_handlers())
 strategies = dict(ti.sharding_propagator().op_strategy_funcs)
+single_dim = dict(ti.sharding_propagator().op_single_dim_strategy_funcs)
+schema_info = dict(ti.sharding_propagator().op_to_schema_info)
 sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
 
 import vescale.dtensor
@@ -36,6 +38,24 @@ assert getattr(table[aten.view.default], "_vescale_wrapped", False)
 _torch_hooks.install()  # idempotent
 assert ctx.__dict__["observe_redistribution"] is hook
 assert ti.sharding_propagator().op_strategy_funcs == table
+
+ops = _torch_hooks.installed_ops()
+assert ops[sdpa] == ("op_strategy_funcs",)
+assert ops[aten.copy_.default] == ("custom_op_handlers",)
+assert set(ops[aten.view.default]) == {"custom_op_handlers", "op_strategy_funcs"}
+assert set(ops[aten.linalg_solve_triangular.default]) == {"op_single_dim_strategy_funcs", "op_strategy_funcs"}
+
+_torch_hooks.uninstall()  # torch's own tables again
+assert not _torch_hooks.is_installed()
+assert ti.dtensor_custom_op_handlers() == handlers, "uninstall left handlers"
+assert ti.sharding_propagator().op_strategy_funcs == strategies, "uninstall left strategies"
+assert ti.sharding_propagator().op_single_dim_strategy_funcs == single_dim, "uninstall left single-dim rules"
+assert ti.sharding_propagator().op_to_schema_info == schema_info, "uninstall left schema infos"
+
+_torch_hooks.install()  # and back
+assert getattr(ti.sharding_propagator().op_strategy_funcs[aten.view.default], "_vescale_wrapped", False)
+assert sdpa in ti.sharding_propagator().op_strategy_funcs
+assert _torch_hooks.installed_ops() == ops
 print("ok")
 """
 
