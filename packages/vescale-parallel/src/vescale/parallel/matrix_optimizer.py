@@ -105,14 +105,14 @@ class MatrixOptimizer:
         self._hooks.append(hook)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear (or zero) the gradients of both optimizers' parameters."""
         for m in self.matrix.matrices:
-            m.param.grad = None if set_to_none else m.param.grad
+            if set_to_none:
+                m.param.grad = None
+            elif m.param.grad is not None:
+                m.param.grad.zero_()
         if self.rest is not None:
             self.rest.zero_grad(set_to_none)
-        if not set_to_none:
-            for m in self.matrix.matrices:
-                if m.param.grad is not None:
-                    m.param.grad.zero_()
 
     def step(self, closure=None):
         """Hooks, the elementwise optimizer's step, then the owners' matrix step (collectives over dp and tp)."""
