@@ -5,6 +5,8 @@
 numerically on a simulated mesh before :func:`auto_plan` returns); :func:`auto_parallelize` chooses the mesh, ZeRO
 stage and pipeline split with a cost model and applies them through :func:`build`, the one composition of every
 parallelism: a :class:`ParallelSpec` (plain data, JSON) in, the training-loop interface (:class:`Parallelized`) out.
+:func:`dry_run` builds a spec for one rank of a large world in one process (fake process group, meta device);
+``python -m vescale.plan`` is the planner CLI (:mod:`vescale.plan.cli`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from vescale.plan.auto_plan import AutoPlan, Decision, auto_plan, plan_from_trac
 from vescale.plan.build import Parallelized, apply_dp, apply_ep, apply_pp, apply_tp, build, resolve_tp_plan
 from vescale.plan.comm import CommCounter
 from vescale.plan.cost import CostEstimate, HardwareModel, estimate
+from vescale.plan.dry_run import DryRunReport, dry_run
 from vescale.plan.errors import TraceError
 from vescale.plan.explain import explain, explain_choice
 from vescale.plan.hf_tp_plan import from_transformers_tp_plan
@@ -34,7 +37,7 @@ __all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace", "explain", "a
            "pipeline_split", "build_pipeline", "CommCounter", "trace_model", "ModelTrace", "TraceError",
            "verify_pairs", "PairCheck", "from_transformers_tp_plan", "explain_choice", "ModelShape", "model_shape",
            "ActivationBytes", "activation_bytes", "ParallelSpec", "SpecError", "build", "Parallelized", "apply_tp",
-           "apply_ep", "apply_pp", "apply_dp", "resolve_tp_plan"]
+           "apply_ep", "apply_pp", "apply_dp", "resolve_tp_plan", "dry_run", "DryRunReport"]
 
 
 def __getattr__(name: str):
