@@ -73,6 +73,8 @@ def _refuse_uncovered(t: ModelTrace) -> None:
     module that runs on local shards as plain tensors (an opaque module: torch's generator, not the counter RNG, and
     local element indices), or one the counter RNG does not cover. Pure: every rank raises it, before any collective."""
     for r in t.random_ops:
+        if not r.active:  # a dropout in eval mode: nothing is drawn
+            continue
         opaque = next((f for f in r.stack if f and f in t.opaque), None)
         if opaque is not None or r.op in _UNCOVERED:
             why = (f"it runs inside {opaque}, which cannot be traced on meta ({t.opaque[opaque]}) and so runs on "

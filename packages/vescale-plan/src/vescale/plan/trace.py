@@ -78,6 +78,7 @@ class RandomOp:
     producers: frozenset[str]
     stack: tuple[str, ...]
     calls_done: int
+    active: bool = True  # draws in this forward (False: a dropout called with ``training=False``)
 
 
 @dataclass
@@ -192,10 +193,11 @@ class _Recorder(TorchFunctionMode):
         self._count_flops(func, args, kwargs, out)
         if func in _RANDOM and args and isinstance(args[0], torch.Tensor):
             p = (args[1] if len(args) > 1 else kwargs.get("p", 0.5)) if func in _DROPOUTS else 1.0
+            active = bool(args[2] if len(args) > 2 else kwargs.get("training", True)) if func in _DROPOUTS else True
             if not isinstance(p, (int, float)) or p > 0:
                 self.t.random_ops.append(RandomOp(getattr(func, "__name__", str(func)), id(args[0]),
                                                   self.producers(args[0]), tuple(self.t.stack),
-                                                  len(self.t.calls)))
+                                                  len(self.t.calls), active))
         outs = [o for o in pytree.tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if func is F.embedding and len(args) >= 2 and self._param_operand(args[1]):
             fqn = self._param_operand(args[1])[0]
