@@ -76,6 +76,8 @@ def test_sigterm_checkpoints_exits_0_and_the_resume_continues_the_curve(tmp_path
     assert 2 <= done < steps, output
     assert f"stopped after step {done}" in output, output
     assert sorted(p.name for p in (cut / "ckpt").iterdir()) == [f"step_{done}"]
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["preempted"] is True and summary["skipped_steps"] == 0
     if target == "launcher":  # (the resume is the same either way)
         return
     run_on_ranks(train.train, 2, config.parse_args([*COMMON, "--steps", str(steps), "--quiet", "--out", str(whole)],

@@ -206,7 +206,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     if rank != 0:
         return {}
     losses = [r["loss"] for r in run_log.records]
-    tokens_per_s = tokens_per_step * max(1, cfg.steps - start) / wall
+    tokens_per_s = tokens_per_step * max(1, len(run_log.records)) / wall  # (fewer than asked when preempted)
     tflops = trainer.flops_per_token * tokens_per_s / 1e12
     return run_log.finish({
         "mesh": cfg.dims, "model": cfg.model, "parameters": trainer.num_params, "steps": cfg.steps,
@@ -221,7 +221,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         "grad_accum": cfg.grad_accum, "spec": json.loads(par.spec.to_json()) if isinstance(par.spec.tp_plan, str)
         else None, "model_flops_per_token": trainer.flops_per_token, "model_tflops": tflops,
         "mfu": tflops / (dist.get_world_size() * cfg.peak_tflops) if cfg.peak_tflops else None,
-        "export_hf": cfg.export_hf,
+        "export_hf": cfg.export_hf, "skipped_steps": res.guard.skipped, "preempted": res.preempt.stopping,
     }, corpus.entropy())
 
 
