@@ -17,6 +17,11 @@ from vescale.core.watchdog import collective_timeout as collective_timeout_s
 
 __all__ = ["spawn", "init_distributed", "default_backend", "torchrun_device", "rank_device", "free_port"]
 
+#: Where ``spawn`` sends its job instead of starting processes: ``runner(task, world_size, args, backend=, timeout=)``
+#: returning rank 0's result. None (the default): fresh processes. The test harness sets it
+#: (``vescale.core.testing.spawn_on_pool``) so that a program's own ``main`` runs on the session's warm ranks.
+_spawn_runner: Callable[..., Any] | None = None
+
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
           timeout: float = 3600.0, collective_timeout: float | None = None) -> Any:
@@ -35,6 +40,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
     seconds = collective_timeout_s(collective_timeout)  # a bad value fails here, before any rank starts
     task = functools.partial(_run_with_collective_timeout, _function_ref(fn), seconds)
     task.__qualname__ = getattr(fn, "__qualname__", repr(fn))  # what the group's errors name
+    if _spawn_runner is not None:
+        return _spawn_runner(task, world_size, args, backend=backend, timeout=timeout)
     with WorkerGroup(world_size, backend=backend) as group:
         return group.run(task, args, timeout=timeout)[0]
 

@@ -36,7 +36,7 @@ from typing import Any
 from vescale.core._workers import WorkerGroup
 
 __all__ = ["multi_rank", "run_on_ranks", "shutdown_pools", "pool_pids", "imported_vescale_packages", "DEFAULT_TIMEOUT",
-           "fails_if_hung"]
+           "fails_if_hung", "spawn_on_pool"]
 
 #: Seconds a test body may run on its ranks; override per test or with ``VESCALE_TEST_TIMEOUT``.
 DEFAULT_TIMEOUT = float(os.environ.get("VESCALE_TEST_TIMEOUT", "300"))
@@ -70,6 +70,60 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     :class:`~vescale.core.errors.RankTimeoutError` as :meth:`WorkerGroup.run` does.
     """
     return _group(world_size).run(fn, args, kwargs, timeout=timeout or DEFAULT_TIMEOUT)
+
+
+# What a pooled rank keeps of its own environment while it runs a spawned job: its place in the process group.
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def spawn_on_pool() -> Iterator[None]:
+    """Inside, :func:`vescale.core.launch.spawn` runs its job on this session's pooled ranks of that world size
+    instead of starting fresh processes, so a program's own ``main`` (``tools/train.py``, ``tools/generate.py``)
+    costs its work, not a process start per rank.
+
+    Each rank runs the job as a freshly spawned rank would: in this process's working directory and environment
+    (the fork server's are older), with the job's collective timeout; afterwards the rank's own working directory,
+    environment and collective timeout are put back. ``spawn``'s ``timeout`` is capped at :data:`DEFAULT_TIMEOUT`.
+    Raises ``ValueError`` for a ``backend`` other than the pool's. Not reentrant across threads.
+    """
+    from vescale.core import launch
+
+    def run(task: Callable[..., Any], world_size: int, args: tuple, *, backend: str | None, timeout: float) -> Any:
+        pool_backend = os.environ.get("VESCALE_TEST_BACKEND", "gloo")
+        if backend not in (None, pool_backend):
+            raise ValueError(f"spawn(backend={backend!r}) cannot run on the test pool, whose ranks use {pool_backend}")
+        return run_on_ranks(_run_spawned, world_size, task, os.getcwd(), dict(os.environ), *args,
+                            timeout=min(timeout, DEFAULT_TIMEOUT))[0]
+
+    before = launch._spawn_runner
+    launch._spawn_runner = run
+    try:
+        yield
+    finally:
+        launch._spawn_runner = before
+
+
+def _run_spawned(task: Callable[..., Any], cwd: str, environ: dict[str, str], *args: Any) -> Any:
+    """On a pooled rank: ``task(*args)`` in the spawning process's ``cwd`` and ``environ``; then restore the rank."""
+    from vescale.core._workers import _COLLECTIVE_TIMEOUT
+    from vescale.core.watchdog import set_collective_timeout
+
+    own_cwd, own_env = os.getcwd(), dict(os.environ)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update({k: own_env[k] for k in _RANK_ENV if k in own_env})
+    try:
+        return task(*args)
+    finally:
+        os.chdir(own_cwd)
+        os.environ.clear()
+        os.environ.update(own_env)
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the task set the job's collective timeout on the default group
+            set_collective_timeout(_COLLECTIVE_TIMEOUT.total_seconds())
 
 
 def pool_pids(world_size: int) -> list[int]:
