@@ -69,8 +69,8 @@ __all__ += ["checkpoint_activations", "checkpointed_blocks", "ActivationCheckpoi
 __all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capacity_keep", "experts_as_operator",
             "keep_local_experts", "ExpertParallelError"]  # expert parallelism
 __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism
-__all__ += ["StepGuard", "skip_nonfinite_steps", "NonFiniteStepError"]  # bad steps skipped on every rank
 __all__ += ["MatrixOptimizer", "DistributedMatrixOptimizer", "matrix_owners", "hidden_matrices"]  # Muon (ZeRO, TP)
+__all__ += ["StepGuard", "skip_nonfinite_steps", "NonFiniteStepError"]  # bad steps skipped on every rank
 
 
 def __getattr__(name: str):

@@ -39,7 +39,7 @@ class MatrixOptimizer:
 
     ``matrix``: a freshly built ``torch.optim.Muon`` over 2-D fp32 parameters of ``modules`` (its groups and
     hyper-parameters are the ones stepped); ``rest``: a torch optimizer over the remaining parameters (stepped as is,
-    elementwise on any shard), or None. ``dp_mesh_dim``/``tp_mesh_dim``: the mesh dims of the parameters' DTensor mesh
+    elementwise on any shard), or None. ``dp_dim_index``/``tp_dim_index``: the mesh dims of the parameters' DTensor mesh
     that are FSDP2's dp shard and tp (None: absent). Without a dp dim (ZeRO 0), every data rank holds whole TP-local
     gradients and computes every update of its dp row's owners (the replicated result). Collectives per step: see the
     module docstring (all_to_all over dp and tp); the rest optimizer's own (none for plain torch).
@@ -60,20 +60,20 @@ class MatrixOptimizer:
                                     "not a parameter of the modules")
                 _check_matrix(fqn, p)
                 dims = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-                dp_mesh_dim = dims.index(dp_dim) if dp_dim in dims else None
-                tp_mesh_dim = dims.index(tp_dim) if tp_dim in dims else None
+                dp_dim_index = dims.index(dp_dim) if dp_dim in dims else None
+                tp_dim_index = dims.index(tp_dim) if tp_dim in dims else None
                 other = [f"{d}: {pl}" for i, (d, pl) in enumerate(zip(dims, p.placements if dims else ()))
-                         if i not in (dp_mesh_dim, tp_mesh_dim) and not pl.is_replicate()]
+                         if i not in (dp_dim_index, tp_dim_index) and not pl.is_replicate()]
                 if other:
                     raise ZeroError(f"matrix optimizer: parameter {fqn!r} is split over mesh dims other than "
                                     f"dp_dim={dp_dim!r} and tp_dim={tp_dim!r} ({', '.join(other)}); name them")
-                if tp_mesh_dim is not None:
-                    tp_group, tp = p.device_mesh.get_group(tp_mesh_dim), p.device_mesh.size(tp_mesh_dim)
-                    tp_rank = p.device_mesh.get_local_rank(tp_mesh_dim)
-                sharded_dim, tp_sizes, _ = _tp_layout(fqn, p, tp_mesh_dim)
-                if dp_mesh_dim is not None:
-                    dp_group, dp = p.device_mesh.get_group(dp_mesh_dim), p.device_mesh.size(dp_mesh_dim)
-                    dp_rank = p.device_mesh.get_local_rank(dp_mesh_dim)
+                if tp_dim_index is not None:
+                    tp_group, tp = p.device_mesh.get_group(tp_dim_index), p.device_mesh.size(tp_dim_index)
+                    tp_rank = p.device_mesh.get_local_rank(tp_dim_index)
+                sharded_dim, tp_sizes, _ = _tp_layout(fqn, p, tp_dim_index)
+                if dp_dim_index is not None:
+                    dp_group, dp = p.device_mesh.get_group(dp_dim_index), p.device_mesh.size(dp_dim_index)
+                    dp_rank = p.device_mesh.get_local_rank(dp_dim_index)
                     rows = p.shape[0] if sharded_dim != 0 else tp_sizes[tp_rank]
                     cols = p.shape[1] if sharded_dim != 1 else tp_sizes[tp_rank]
                     per = -(-rows // dp)
@@ -211,15 +211,15 @@ class DistributedMatrixOptimizer(DistributedOptimizer):
                 if reduction.summed:
                     raise ZeroError(f"matrix optimizer: parameter {piece.fqn!r} is reduced over "
                                     f"{reduction.name}; DDP data_dims (ep) are not supported")
-                tp_mesh_dim = None
+                tp_dim_index = None
                 if isinstance(p, DTensor):
                     if p.device_mesh.ndim != 1:
                         raise ZeroError(f"matrix optimizer: parameter {piece.fqn!r} lives on mesh "
                                         f"{p.device_mesh.mesh_dim_names} ({p.placements}); only a 1-D tp mesh")
-                    tp_mesh_dim = 0
+                    tp_dim_index = 0
                     tp_group, tp, tp_rank = p.device_mesh.get_group(0), p.device_mesh.size(0), \
                         p.device_mesh.get_local_rank(0)
-                sharded_dim, tp_sizes, _ = _tp_layout(piece.fqn, p, tp_mesh_dim)
+                sharded_dim, tp_sizes, _ = _tp_layout(piece.fqn, p, tp_dim_index)
                 ranges = [self._owned(slot.bucket, slot, r) for r in range(reduction.size)]
                 whole = zero_stage == 0 or (zero_stage == 1 and clip_grad is None)
                 matrices.append(_Matrix(
