@@ -32,7 +32,8 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.*"  # resolved by pip's own configuration (find-links, indexes): the CPU build here
 # What tools/ imports beyond the packages: transformers (--model llama/mixtral/gpt2/a HF directory, --export-hf,
 # tools/generate.py), tokenizers (the default corpus's BPE, --tokenizer DIR; also a transformers dependency),
-# matplotlib (loss.png, timeline.png), tensorboard (--tensorboard event files). safetensors comes with vescale-checkpoint, numpy with vescale-core.
+# matplotlib (loss.png, timeline.png), tensorboard (--tensorboard event files). safetensors comes with
+# vescale-checkpoint, numpy with vescale-core.
 TOOLS = ["transformers>=5", "tokenizers", "matplotlib", "tensorboard"]
 
 nox.options.reuse_venv = "yes"
