@@ -34,6 +34,10 @@ from vescale.core.errors import RankError, RankTimeoutError
 # Ranks that fail together (an assertion on every rank) report within this window and the group survives.
 _FAILURE_GRACE_S = 2.0
 _COLLECTIVE_TIMEOUT = timedelta(seconds=900)
+# How long the ranks may take to start and join the group: a guard against a hang, not a timing. A rank's first
+# import of torch from a venv installed without bytecode (nox's --no-compile) compiles every module it imports; two
+# ranks doing so on a loaded 2-core machine took more than 120 s (a first `nox -s train` failed at start-up).
+_START_TIMEOUT_S = 600.0
 
 
 def default_backend(world_size: int) -> str:
@@ -185,7 +189,8 @@ class WorkerGroup:
     """
 
     def __init__(self, world_size: int, *, backend: str | None = None, capture_output: bool = False,
-                 start_timeout: float = 120.0, start_method: str = "spawn", preload: tuple[str, ...] = ()) -> None:
+                 start_timeout: float = _START_TIMEOUT_S, start_method: str = "spawn",
+                 preload: tuple[str, ...] = ()) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if start_method not in ("spawn", "forkserver"):
