@@ -158,7 +158,7 @@ def _callable(info):
     if isinstance(info.op, torch._ops.OpOverload):
         return functools.partial(_aten, info.op.overloadpacket.__name__, info.op._overloadname)
     candidates = [info.op]
-    if info.method_variant is not None:
+    if info.method_variant is not None and info.method_variant.__name__ != "<lambda>":
         candidates.append(functools.partial(_method, info.method_variant.__name__))
     path = info.name.split(".")
     fn = functools.reduce(lambda o, a: getattr(o, a, None), path, torch)
