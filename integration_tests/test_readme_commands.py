@@ -57,12 +57,7 @@ CKPT_LINE, CKPT_STEPS = "--ckpt-every 50", 52
 GENERATE_DIR, GENERATE_DIR_NO_TOKENIZER = "runs/ft/hf", "runs/ft/hf-weights-only"
 SETUP = ("pip ", "nox ", "pytest", "python -m venv", ". .venv")
 #: README lines that fail today, with what fails: not run (expected to fail) until fixed or changed in the README.
-KNOWN_FAILING = {
-    "python tools/train.py --mesh tp=2 --compile": (
-        "fails in the first compiled forward: tp=2 'aten._unsafe_view.default ... _StridedShard(dim=0, sf=8) ... "
-        "Attempt to trace generator' (q @ k.T in models.causal_attention); dp=2 'torch.compile with fullgraph=True "
-        "found no compiled frames ... non-infra torch dispatch mode present'"),
-}
+KNOWN_FAILING: dict[str, str] = {}
 
 
 def _readme() -> str:
