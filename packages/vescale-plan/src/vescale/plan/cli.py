@@ -39,6 +39,14 @@ class CliError(Exception):
     """Bad command-line input; the message names the argument."""
 
 
+def _read_json(path: Path, what: str) -> Any:
+    """The JSON value in ``path``; a ``CliError`` naming ``what`` when it is not valid JSON."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{what} is not valid JSON: {exc}") from None
+
+
 def load_config(model: str):
     """The ``transformers`` config for MODEL: a ``config.json`` file, a directory with one, or a model type."""
     import transformers
@@ -51,10 +59,7 @@ def load_config(model: str):
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise CliError(f"MODEL {model!r}: no such file")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CliError(f"MODEL {model!r} is not valid JSON: {exc}") from None
+        data = _read_json(path, f"MODEL {model!r}")
         kind = data.pop("model_type", None) if isinstance(data, dict) else None
         if not kind:
             raise CliError(f"MODEL {model!r} has no \"model_type\" (a Hugging Face config.json names its family)")
@@ -93,10 +98,7 @@ def _hardware(name: str | None) -> tuple[HardwareModel, float | None]:
     path = Path(name)
     if not path.is_file():
         raise CliError(f"--hardware {name!r} is neither {sorted(HARDWARE)} nor a JSON file")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--hardware {name!r} is not valid JSON: {exc}") from None
+    data = _read_json(path, f"--hardware {name!r}")
     known = {f.name for f in fields(HardwareModel)}
     memory = data.pop("memory_gb", None) if isinstance(data, dict) else None
     unknown = sorted(set(data) - known) if isinstance(data, dict) else ["(not an object)"]
