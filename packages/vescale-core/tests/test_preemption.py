@@ -67,7 +67,7 @@ def test_a_launcher_forwards_the_signal_to_its_children():
     try:
         assert here.poll(60) and here.recv() == "ready"
         before = signal.getsignal(signal.SIGUSR1)
-        with forward_signals(["SIGUSR1"]):
+        with forward_signals(["SIGUSR1"], to=[child]):  # not the session's pooled ranks, also children here
             os.kill(os.getpid(), signal.SIGUSR1)  # to the launcher: it survives, the child gets it
             assert here.poll(60) and here.recv() == signal.SIGUSR1
         assert signal.getsignal(signal.SIGUSR1) is before

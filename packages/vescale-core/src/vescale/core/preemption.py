@@ -23,6 +23,7 @@ import signal
 import threading
 from collections.abc import Iterable, Iterator
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,20 +99,22 @@ class PreemptionGuard:
 
 
 @contextlib.contextmanager
-def forward_signals(signals: Iterable[str | int]) -> Iterator[None]:
-    """Inside ``with``, each of ``signals`` this process receives is sent on to its live ``multiprocessing`` children
-    instead of acting here: a launcher that started its ranks itself (``vescale.core.spawn``) passes a scheduler's
-    preemption signal on to them, where a :class:`PreemptionGuard` stops them cleanly, and the launcher returns
-    their result. Main thread only; the previous handlers are restored after."""
+def forward_signals(signals: Iterable[str | int], to: Iterable[Any] | None = None) -> Iterator[None]:
+    """Inside ``with``, each of ``signals`` this process receives is sent on to ``to`` (processes with a ``pid``;
+    default: every live ``multiprocessing`` child at the time of the signal) instead of acting here: a launcher that
+    started its ranks itself (``vescale.core.spawn``) passes a scheduler's preemption signal on to them, where a
+    :class:`PreemptionGuard` stops them cleanly, and the launcher returns their result.
+    Main thread only; the previous handlers are restored after."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("forward_signals installs signal handlers: enter it from the main thread")
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        for child in multiprocessing.active_children():
+        for child in multiprocessing.active_children() if to is None else to:
             if child.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child.pid, signum)
 
+    to = None if to is None else list(to)
     previous = {sig: signal.signal(sig, forward) for sig in dict.fromkeys(signal_number(s) for s in signals)}
     try:
         yield

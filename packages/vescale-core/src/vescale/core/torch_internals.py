@@ -12,9 +12,10 @@ install their hooks on first use, idempotently.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 # torch ships no public pytree module (2.13 has no ``torch.utils.pytree``); this is the one torch.export,
@@ -82,6 +83,8 @@ __all__ = [
     "set_group_timeout",
     "default_store",
     "flight_recorder_json",
+    "fake_store",
+    "meta_nonzero_assumed",
     "checkpoint_regions",
     "torch_graph_task_id",
     "function_mode_stack",
@@ -499,3 +502,32 @@ def flight_recorder_json() -> bytes:
     import torch._C._distributed_c10d as c10d_c
 
     return c10d_c._dump_fr_trace_json()
+
+
+def fake_store() -> Any:
+    """A store for ``init_process_group("cpu:fake,meta:fake", store=fake_store(), rank=r, world_size=n)``: a process
+    group of any size in one process whose collectives communicate nothing (importing it registers the ``fake``
+    backend).
+
+    Why: torch ships its fake process group only under ``torch.testing._internal`` (``fake_pg.FakeStore``).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+@contextlib.contextmanager
+def meta_nonzero_assumed() -> Iterator[None]:
+    """Within the block, ``nonzero`` of a meta tensor assumes every element is nonzero (a data-dependent output size
+    gets the input's), so code that indexes by a mask runs on the meta device.
+
+    Why: the switch is ``torch.fx.experimental._config.meta_nonzero_assume_all_nonzero``, a private config module.
+    """
+    import torch.fx.experimental._config as fx_config
+
+    old = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    try:
+        yield
+    finally:
+        fx_config.meta_nonzero_assume_all_nonzero = old

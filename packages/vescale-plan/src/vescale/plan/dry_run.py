@@ -64,15 +64,10 @@ class _MetaScalars(TorchFunctionMode):
 def meta_scalars():
     """Within the block, host reads of meta tensors return stand-ins (zeros; True for ``bool``) and ``nonzero`` on
     meta assumes every element is nonzero, so code that branches on a value runs on the meta device."""
-    import torch.fx.experimental._config as fx_config
+    from vescale.core.torch_internals import meta_nonzero_assumed
 
-    old = fx_config.meta_nonzero_assume_all_nonzero
-    fx_config.meta_nonzero_assume_all_nonzero = True
-    try:
-        with _MetaScalars():
-            yield
-    finally:
-        fx_config.meta_nonzero_assume_all_nonzero = old
+    with meta_nonzero_assumed(), _MetaScalars():
+        yield
 
 
 @dataclass
@@ -201,10 +196,8 @@ def dry_run(make_model: Callable[[], nn.Module], spec: ParallelSpec, *, world_si
     ``batch_size`` (global sequences) and ``seq_len`` shape the step. Initialises and then destroys a ``fake``
     process group, so it must run where no process group is initialised. Nothing is communicated.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     from vescale.core.comm import count_comms
-    from vescale.core.torch_internals import clear_sharding_caches
+    from vescale.core.torch_internals import clear_sharding_caches, fake_store
     from vescale.plan.build import build
 
     if dist.is_initialized():
@@ -220,7 +213,7 @@ def dry_run(make_model: Callable[[], nn.Module], spec: ParallelSpec, *, world_si
         return report
     report.checks["spec"] = "ParallelSpec.problems(): none"
     # meta tensors have no backend of their own: the fake group serves them as it serves the CPU's
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("cpu:fake,meta:fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         with meta_scalars():
             _run(report, make_model, spec, batch_size, seq_len, optimizer, build, count_comms)
