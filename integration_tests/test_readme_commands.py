@@ -277,11 +277,12 @@ def test_train_line_runs_as_written(line, workspace, tmp_path, monkeypatch):
         assert done.value.code == 0
         return
     cfg = train.parse_args(argv, "readme")
-    if cfg.resume:
+    resumes = bool(cfg.resume) and cfg.resume != "auto"  # auto: the newest checkpoint under --out, none here yet
+    if resumes:
         _prerequisite(workspace, CKPT_LINE)  # the run whose runs/latest/ckpt/step_50 this line resumes
     summary, out = _run_line(line, workspace, None if CKPT_LINE in line else tmp_path / "run",
-                             batch_of=_line_with(CKPT_LINE) if cfg.resume else None)
-    if cfg.resume:
+                             batch_of=_line_with(CKPT_LINE) if resumes else None)
+    if resumes:
         _check_resumed(summary, out, cfg, _prerequisite(workspace, CKPT_LINE))
         return
     _assert_trained(summary, out, cfg.steps)
@@ -294,6 +295,8 @@ def test_train_line_runs_as_written(line, workspace, tmp_path, monkeypatch):
         _check_export(workspace / cfg.export_hf)
     if cfg.compile:
         assert summary["spec"]["compile"] is True
+    if cfg.tensorboard:
+        assert any((out / "tensorboard").glob("events.out.tfevents.*")), sorted(out.iterdir())
 
 
 def _check_resumed(summary: dict, out: Path, cfg, checkpoint_run: tuple[dict, Path]) -> None:
