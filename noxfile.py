@@ -34,9 +34,7 @@ TORCH = "torch==2.13.*"  # resolved by pip's own configuration (find-links, inde
 # tools/generate.py), tokenizers (the default corpus's BPE, --tokenizer DIR; also a transformers dependency),
 # matplotlib (loss.png, timeline.png), tensorboard (--tensorboard event files). safetensors comes with
 # vescale-checkpoint, numpy with vescale-core.
-# transformers < 5.25 (every package's test extras too): 5.25.0 changed Mixtral's experts, and auto_plan's tp=2 step
-# on it makes 27 collectives against the 12 of transformers' own plan (5.24: no more than theirs); open until looked at.
-TOOLS = ["transformers>=5,<5.25", "tokenizers", "matplotlib", "tensorboard"]
+TOOLS = ["transformers>=5", "tokenizers", "matplotlib", "tensorboard"]
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests", "integration"]
