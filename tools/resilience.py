@@ -43,17 +43,16 @@ def auto_resume(cfg, say: Callable[[str], None]) -> None:
 
 
 class Resilience:
-    """The loop's side on this rank: saves (async, one in flight), the bad-step guard on ``optimizer`` and the
+    """The loop's side on this rank: saves (async, one in flight), the bad-step count of ``par.step_guard`` and the
     preemption agreement. ``progress(n)`` is what a checkpoint after ``n`` steps records (step, data position)."""
 
     def __init__(self, cfg, par, optimizer, state: dict, progress: Callable[[int], dict], out: Path) -> None:
         from vescale.core import PreemptionGuard
-        from vescale.parallel import skip_nonfinite_steps
 
         self.optimizer, self.state, self.progress, self.out, self.par = optimizer, state, progress, out, par
-        self.guard = getattr(optimizer, "step_guard", None) or skip_nonfinite_steps(
-            optimizer, max_consecutive=cfg.max_bad_steps)
-        par.step_guard = self.guard  # forward_backward's loss counts in the check
+        self.guard = par.step_guard  # make_optimizer(skip_nonfinite=True)'s: the loss and gradients checked
+        if self.guard is None:
+            raise ValueError("Resilience needs the optimizer of par.make_optimizer(..., skip_nonfinite=True)")
         self.preempt = PreemptionGuard(["SIGTERM"] + ([cfg.preempt_signal] if cfg.preempt_signal else [])).__enter__()
         self.pending, self.saved_at = None, None
 

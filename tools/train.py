@@ -113,7 +113,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         + (f", schedule {spec.schedule} x {spec.pipeline_microbatches} microbatches" if spec.size("pp") > 1 else ""))
     par = build(model, spec, batch_size=cfg.batch_size, seq_len=cfg.seq_len, load_weights=load)
     kw: dict = {"lr": cfg.lr, "clip_grad": cfg.clip or None,
-                "param_groups": lambda ps: decay_groups(ps, cfg.weight_decay)}
+                "param_groups": lambda ps: decay_groups(ps, cfg.weight_decay),
+                "skip_nonfinite": True, "max_bad_steps": cfg.max_bad_steps}  # par.step_guard: bad steps skipped
     if cfg.optimizer == "muon":  # hidden matrices: Muon scaled to AdamW's update RMS (Moonlight), the rest AdamW
         kw.update(weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw",
                   rest=(torch.optim.AdamW, {"lr": cfg.lr}))
