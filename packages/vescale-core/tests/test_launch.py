@@ -136,3 +136,52 @@ def test_torchrun_device_choice():
     assert torchrun_device(5, 8, 4, explicit_backend="nccl") == 1
     with pytest.raises(MeshError, match="LOCAL_RANK is not set"):
         torchrun_device(None, 4, 4)  # was: every rank on GPU 0
+
+
+def test_restarted_group_agrees_on_a_fresh_prefix_despite_a_dead_rank0s_keys():
+    """A torchrun restart shares the agent's store with the previous start: rank 1 reading first finds the dead
+    rank 0's prefix (with that start's hello/ack keys) and must not take it; every rank ends on rank 0's new one."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from vescale.core.launch import _ATTEMPT_KEY, agree_attempt_prefix, free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    stale = "vescale/launch/dead/"
+    server.set(_ATTEMPT_KEY, stale)
+    for r in (1, 2):  # the previous start's whole handshake, answered by the rank 0 that is gone now
+        server.set(f"{stale}hello/{r}", "old")
+        server.set(f"{stale}ack/{r}/old", "1")
+    results: dict[int, str] = {}
+
+    def rank(r: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        results[r] = agree_attempt_prefix(client, r, 3, 20.0, poll_s=0.1)
+
+    late = [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
+    for t in late:
+        t.start()
+    time.sleep(0.5)  # ranks 1 and 2 read the stale prefix and wait for an answer that never comes
+    first = threading.Thread(target=rank, args=(0,))
+    first.start()
+    for t in (*late, first):
+        t.join(30)
+    assert set(results) == {0, 1, 2} and results[0] != stale
+    assert results[1] == results[2] == results[0]
+
+
+def test_prefix_agreement_times_out_by_name_without_rank0():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from vescale.core.launch import _ATTEMPT_KEY, agree_attempt_prefix, free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    server.set(_ATTEMPT_KEY, "vescale/launch/dead/")
+    with pytest.raises(TimeoutError, match="rank 1: rank 0 of this start did not answer"):
+        agree_attempt_prefix(server, 1, 2, 1.0, poll_s=0.2)

@@ -81,8 +81,69 @@ def init_distributed(backend: str | None = None, timeout: float | None = None, *
     if backend == "nccl":
         torch.cuda.set_device(device if device is not None else 0)
     seconds = collective_timeout_s(collective_timeout if collective_timeout is not None else timeout)
-    dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
+    store = _elastic_attempt_store(seconds)
+    if store is None:
+        dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
+                                timeout=timedelta(seconds=seconds))
     return dist.get_rank(), dist.get_world_size()
+
+
+#: Where rank 0 of each start of a torchelastic worker group publishes that start's key prefix in the agent's store.
+_ATTEMPT_KEY = "vescale/launch/attempt"
+
+
+def _elastic_attempt_store(timeout_s: float):
+    """The key-value store this start of a torchrun worker group shares, or None outside torchrun's shared store.
+
+    torchrun (c10d rendezvous) gives every restart of the workers the agent's one TCPStore and no per-restart key
+    prefix (``TORCHELASTIC_RESTART_COUNT`` is counted per agent and differs between agents when one restarted for a
+    failure and another for the membership change), so a restarted group can read a dead worker's address from the
+    previous start and fail to connect. Here rank 0 publishes a fresh random prefix; every other rank adopts a
+    prefix only once rank 0 answered its own fresh token under it, so a prefix left by a dead rank 0 is never taken.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    import torch.distributed as dist
+
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    prefix = agree_attempt_prefix(agent, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s)
+    return dist.PrefixStore(prefix, agent)
+
+
+def agree_attempt_prefix(store: Any, rank: int, world_size: int, timeout_s: float, *, poll_s: float = 0.5) -> str:
+    """Agree, through ``store`` (which may hold keys of earlier starts of the same ranks), on a key prefix that is
+    new to this start: rank 0 makes it; every other rank takes it after rank 0 acknowledged that rank's fresh token.
+
+    Rank 0 waits for every rank's token (so it returns after all ranks joined); a rank that read a stale prefix
+    (rank 0 of an earlier start, now dead) gets no acknowledgement and reads the key again every ``poll_s`` seconds.
+    Raises ``TimeoutError`` after ``timeout_s`` seconds without agreement.
+    """
+    import time
+    import uuid
+
+    if rank == 0:
+        prefix = f"vescale/launch/{uuid.uuid4().hex}/"
+        store.set(_ATTEMPT_KEY, prefix)
+        for r in range(1, world_size):
+            store.wait([f"{prefix}hello/{r}"], timedelta(seconds=timeout_s))
+            token = store.get(f"{prefix}hello/{r}").decode()
+            store.set(f"{prefix}ack/{r}/{token}", "1")
+        return prefix
+    token, deadline = uuid.uuid4().hex, time.monotonic() + timeout_s
+    store.wait([_ATTEMPT_KEY], timedelta(seconds=timeout_s))
+    while True:
+        prefix = store.get(_ATTEMPT_KEY).decode()
+        store.set(f"{prefix}hello/{rank}", token)
+        try:
+            store.wait([f"{prefix}ack/{rank}/{token}"], timedelta(seconds=poll_s))
+            return prefix
+        except Exception as exc:  # no answer under this prefix yet: a dead rank 0's, or a slow live one's
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: rank 0 of this start did not answer through the launcher's store "
+                                   f"within {timeout_s:.0f} s (last prefix {prefix!r})") from exc
 
 
 def torchrun_device(local_rank: int | None, local_world: int, gpus: int, *,
