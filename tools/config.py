@@ -22,7 +22,8 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 SPEC_FIELDS = {"dims": "mesh", "microbatches": "microbatches", "zero": "zero", "dtype": "dtype",
                "reduce_dtype": "reduce_dtype", "schedule": "schedule", "grad_accum": "grad_accum",
                "sequence_parallel": "sequence_parallel", "compile": "compile",
-               "activation_checkpointing": "activation_checkpointing", "split_points": "split_points"}
+               "activation_checkpointing": "activation_checkpointing", "split_points": "split_points",
+               "optimizer_state_dtype": "optimizer_state_dtype"}
 
 
 @dataclass
@@ -42,6 +43,7 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW's decoupled decay, on matrices (ndim >= 2) only
     clip: float = 1.0
     optimizer: str = "adamw"  # adamw | muon: Muon (torch.optim.Muon, owners of whole matrices) for hidden matrices
+    optimizer_state_dtype: str = "fp32"  # fp32 | bf16: optimizer state (moments, momenta) kept in bf16, masters fp32
     zero: int = 0  # over dp: 0-2 vescale DDP / DistributedOptimizer, 3 FSDP2 (HSDP on dp_replicate x dp_shard)
     dtype: str = "fp32"  # fp32 | bf16: bf16 parameters and compute over fp32 master weights and optimizer state
     reduce_dtype: str = "fp32"  # the dtype dp gradients are accumulated and reduced in with --dtype bf16
@@ -66,6 +68,8 @@ class TrainConfig:
     max_bad_steps: int = 3  # consecutive non-finite steps skipped before the run stops (0: stop at the first)
     preempt_signal: str | None = None  # stop cleanly on it too (SIGTERM always), e.g. SIGUSR1 from SLURM
     tensorboard: bool = False  # event files under <out>/tensorboard (the tensorboard package)
+    on_save_error: str = "stop"  # stop | continue: a checkpoint save that failed on some rank stops the run, or warns
+    slow_rank: float = 1.5  # warn naming ranks whose busy step time is this many times the median rank's (0: off)
     trace_steps: int = 3
     quiet: bool = False
     grad_dump: str | None = None  # file: the first step's whole gradients by FQN (safetensors, rank 0 writes)
@@ -166,7 +170,7 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
     problems += [f"{flag} {value} must be at least {least}" for flag, (value, least) in numeric.items()
                  if value < least]
     for flag, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay), ("--clip", cfg.clip),
-                        ("--peak-tflops", cfg.peak_tflops)):
+                        ("--peak-tflops", cfg.peak_tflops), ("--slow-rank", cfg.slow_rank)):
         if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
             problems.append(f"{flag} {value} must be a finite number " + ("above 0" if flag == "--lr" else ">= 0"))
     if pp > shape.n_layer:
@@ -253,6 +257,9 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "muon"],
                    help="muon: torch.optim.Muon on the hidden 2-D weights (at AdamW's update RMS, lr and decay),\n"
                         "AdamW on the rest; state and update owned by whole matrices under ZeRO 1/2/3 and tp")
+    p.add_argument("--optimizer-state-dtype", default=d.optimizer_state_dtype, choices=list(DTYPES),
+                   help="bf16: AdamW moments (and Muon momenta) kept in bf16 between steps, computed in fp32 over\n"
+                        "fp32 master weights (vescale.parallel.low_precision_state): half the state bytes")
     p.add_argument("--zero", type=int, default=d.zero, choices=[0, 1, 2, 3],
                    help="ZeRO stage over dp: 1 optimizer states, 2 + gradients (vescale DistributedOptimizer),\n"
                         "3 + parameters (torch FSDP2 per block). HSDP: --zero 3 on a mesh naming\n"
@@ -311,6 +318,13 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
                         "limit) makes every rank finish its step, checkpoint and exit 0")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to <out>/tensorboard (needs the tensorboard package)")
+    p.add_argument("--on-save-error", default=d.on_save_error, choices=["stop", "continue"],
+                   help="a checkpoint save that fails on any rank (disk full, permission, storage backend) raises on\n"
+                        "every rank naming the file; stop: the run stops with it; continue: a warning, training goes\n"
+                        "on (the previous checkpoint stays the newest complete one)")
+    p.add_argument("--slow-rank", type=float, default=d.slow_rank, metavar="RATIO",
+                   help="warn naming ranks whose median busy step time (step time less collective waits) is at\n"
+                        "least RATIO times the median rank's (0: off); summary.json has every rank's figures")
     p.add_argument("--trace-steps", type=int, default=d.trace_steps, help="steps recorded in timeline.json")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--export-hf", default=None, metavar="DIR",

@@ -52,6 +52,7 @@ from vescale.parallel.plan_grammar import Plan, check_plan  # part 1: TP/SP
 from vescale.parallel.plans import PLANS, gpt2_plan, gpt_plan, llama_plan, mixtral_plan, qwen2_plan  # part 1: TP/SP
 from vescale.parallel.report import PlanEntry, PlanReport  # part 1: TP/SP
 from vescale.parallel.stage import parallelize_stage  # pipeline stages (vescale-plan)
+from vescale.parallel.state_dtype import STATE_DTYPES, low_precision_state, state_dtype_of  # bf16 optimizer state
 from vescale.parallel.step_guard import NonFiniteStepError, StepGuard, skip_nonfinite_steps  # bad steps
 from vescale.parallel.zero3 import fully_shard_dp, fully_shard_stage  # part 2: DP/ZeRO
 
@@ -71,6 +72,7 @@ __all__ += ["parallelize_experts", "expert_parallel_plan", "find_experts", "capa
 __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # context parallelism
 __all__ += ["MatrixOptimizer", "DistributedMatrixOptimizer", "matrix_owners", "hidden_matrices"]  # Muon (ZeRO, TP)
 __all__ += ["StepGuard", "skip_nonfinite_steps", "NonFiniteStepError"]  # bad steps skipped on every rank
+__all__ += ["low_precision_state", "state_dtype_of", "STATE_DTYPES"]  # bf16 optimizer state
 
 
 def __getattr__(name: str):

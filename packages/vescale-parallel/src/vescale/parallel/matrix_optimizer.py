@@ -20,6 +20,7 @@ from vescale.dtensor import RaggedShard
 from vescale.parallel.errors import ZeroError
 from vescale.parallel.muon import _check_matrix, _data_of, _grad_of, _hparams, _Matrix, _MatrixStep, _tp_layout
 from vescale.parallel.optimizer import DistributedOptimizer
+from vescale.parallel.state_dtype import low_precision_state
 
 __all__ = ["MatrixOptimizer", "DistributedMatrixOptimizer"]
 
@@ -42,11 +43,14 @@ class MatrixOptimizer:
     elementwise on any shard), or None. ``dp_dim_index``/``tp_dim_index``: the mesh dims of the parameters' DTensor mesh
     that are FSDP2's dp shard and tp (None: absent). Without a dp dim (ZeRO 0), every data rank holds whole TP-local
     gradients and computes every update of its dp row's owners (the replicated result). Collectives per step: see the
-    module docstring (all_to_all over dp and tp); the rest optimizer's own (none for plain torch).
+    module docstring (all_to_all over dp and tp); the rest optimizer's own (none for plain torch). ``state_dtype``
+    (e.g. ``torch.bfloat16``): both optimizers keep their state (momenta, AdamW moments) in it between steps
+    (:func:`vescale.parallel.low_precision_state`).
     """
 
     def __init__(self, modules: nn.Module | list[nn.Module], matrix: torch.optim.Optimizer,
-                 rest: torch.optim.Optimizer | None = None, *, dp_dim: str = "dp", tp_dim: str = "tp") -> None:
+                 rest: torch.optim.Optimizer | None = None, *, dp_dim: str = "dp", tp_dim: str = "tp",
+                 state_dtype: torch.dtype | str | None = None) -> None:
         modules = [modules] if isinstance(modules, nn.Module) else list(modules)
         if matrix.state:
             raise ZeroError("pass a freshly built matrix optimizer (no state)")
@@ -92,6 +96,10 @@ class MatrixOptimizer:
         self.matrix = _MatrixStep(matrices, matrix, dp_group=dp_group,
                                   dp_size=dp, dp_rank=dp_rank, tp_group=tp_group, tp_size=tp, tp_rank=tp_rank)
         self.rest = rest
+        if state_dtype is not None:
+            low_precision_state(self.matrix.optimizer, state_dtype)
+            if rest is not None:
+                low_precision_state(rest, state_dtype)
         self._rest_fqns = [[names.get(id(p), "?") for p in g["params"]] for g in rest.param_groups] if rest else []
         self._hooks: list[Callable[[], None]] = []
 
@@ -190,14 +198,17 @@ class DistributedMatrixOptimizer(DistributedOptimizer):
     the tp gather moves them; ZeRO 2, or ZeRO 1 with clipping: the owner gathers the clipped flat pieces); their new
     values are scattered back into every rank's master piece and leave with the bucket all-gather of the step, with
     the rest. TP: DTensors ``Shard(d)``/``Replicate`` on a 1-D tp mesh. Not supported (raised at construction):
-    DDP ``data_dims`` (ep), parameters other than fp32.
+    DDP ``data_dims`` (ep), parameters other than fp32. ``state_dtype``: both optimizers' state dtype between steps
+    (:func:`vescale.parallel.low_precision_state`).
     """
 
     def __init__(self, module, matrix: torch.optim.Optimizer, rest: torch.optim.Optimizer, *, zero_stage: int = 1,
-                 clip_grad: float | None = None, pp_group: dist.ProcessGroup | None = None) -> None:
+                 clip_grad: float | None = None, pp_group: dist.ProcessGroup | None = None,
+                 state_dtype: torch.dtype | str | None = None) -> None:
         if matrix.state:
             raise ZeroError("pass a freshly built matrix optimizer (no state)")
-        super().__init__(module, rest, zero_stage=zero_stage, clip_grad=clip_grad, pp_group=pp_group)
+        super().__init__(module, rest, zero_stage=zero_stage, clip_grad=clip_grad, pp_group=pp_group,
+                         state_dtype=state_dtype)
         matrices, reduction, tp_group, tp, tp_rank = [], None, None, 1, 0
         for gi, group in enumerate(matrix.param_groups):
             for p in group["params"]:
@@ -232,6 +243,8 @@ class DistributedMatrixOptimizer(DistributedOptimizer):
         dp_rank = reduction.rank if reduction is not None else 0
         self.matrix = _MatrixStep(matrices, matrix, dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank,
                                   tp_group=tp_group, tp_size=tp, tp_rank=tp_rank)
+        if state_dtype is not None:
+            low_precision_state(self.matrix.optimizer, state_dtype)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -42,6 +42,7 @@ from vescale.parallel import optimizer_state
 from vescale.parallel.clip_grad import _dtensor_groups, clip_grad_norm_
 from vescale.parallel.ddp import DistributedDataParallel, _all_gather, _Bucket, _Slot, local_tensor
 from vescale.parallel.errors import ZeroError
+from vescale.parallel.state_dtype import low_precision_state
 
 __all__ = ["DistributedOptimizer", "STATE_DICT_FORMAT"]
 
@@ -101,7 +102,9 @@ class DistributedOptimizer:
     parameter's own mark (a plain piece over ep); a parameter marked ``counts_in_norm=False`` before construction (a
     pipeline-tied weight's later copies) leaves its pieces out of the clip norm. ``master_dtype`` is the dtype of
     the master weights and optimizer states (fp32 for bf16 models). ``clip_grad`` clips the global gradient norm
-    (over dp, TP shards and ``pp_group``) before each step; the norm is kept in :attr:`grad_norm`.
+    (over dp, TP shards and ``pp_group``) before each step; the norm is kept in :attr:`grad_norm`. ``state_dtype``
+    (e.g. ``torch.bfloat16``): the wrapped optimizer keeps its state in it between steps
+    (:func:`vescale.parallel.low_precision_state`; masters stay ``master_dtype``).
 
     Only elementwise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...) give single-device results. Learning-rate
     schedulers take :attr:`optimizer` (the wrapped torch optimizer).
@@ -109,7 +112,8 @@ class DistributedOptimizer:
 
     def __init__(self, module: DistributedDataParallel, optimizer_cls_or_instance, *, zero_stage: int = 1,
                  clip_grad: float | None = None, master_dtype: torch.dtype = torch.float32,
-                 pp_group: dist.ProcessGroup | None = None, **kw: Any) -> None:
+                 pp_group: dist.ProcessGroup | None = None, state_dtype: torch.dtype | str | None = None,
+                 **kw: Any) -> None:
         if isinstance(optimizer_cls_or_instance, DistributedDataParallel):
             raise ZeroError("the module comes first: DistributedOptimizer(ddp_module, optimizer_cls_or_instance, "
                             "...), as in every vescale API")
@@ -163,6 +167,8 @@ class DistributedOptimizer:
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
         #: The wrapped torch optimizer over this rank's master pieces.
         self.optimizer = cls(inner_groups, **defaults)
+        if state_dtype is not None:
+            low_precision_state(self.optimizer, state_dtype)
 
     def _make_pieces(self) -> dict[nn.Parameter, _Piece]:
         ddp = self.ddp

@@ -32,6 +32,7 @@ from torch import nn
 from vescale.core.launch import rank_device
 from vescale.core.mesh import MeshRoles, init_mesh
 from vescale.plan.spec import DTYPES, ParallelSpec, SpecError
+from vescale.plan.token_mean import token_scale, token_sum
 
 __all__ = ["build", "Parallelized", "apply_tp", "apply_ep", "apply_pp", "apply_dp", "resolve_tp_plan"]
 
@@ -72,6 +73,7 @@ class Parallelized:
     _cp_positions: torch.Tensor | None = None
     _experts: list = field(default_factory=list)  # pp x ep: the experts whose stages hold plain [E / ep, ...] rows
     _by_name: bool = False  # the model takes its token ids as ``input_ids=`` (transformers), where plans place them
+    _token_scale: float | None = None  # this pipeline step's token_scale (None: every target position trained)
 
     @property
     def mesh(self):
@@ -98,13 +100,20 @@ class Parallelized:
             return self.engine.parameters()
         return [p for m in self.modules for p in m.parameters() if p.requires_grad]
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+                         num_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of this rank's rows (:meth:`shard_batch` of the global inputs and targets: token ids,
-        given to the model as ``input_ids=`` when its ``forward`` names it, else positionally), with
-        ``grad_accum`` micro-steps reduced once; returns the detached mean loss over those rows. Afterwards the
-        gradients are one device's for the whole global batch (averaged over the data ranks)."""
+        given to the model as ``input_ids=`` when its ``forward`` names it, else positionally; targets -100 are
+        ignored), with ``grad_accum`` micro-steps reduced once. The loss is one device's: the mean over the trained
+        tokens of the whole global batch (:mod:`vescale.plan.token_mean`; ``num_tokens``, their count, saves its one
+        scalar all-reduce over the batch ranks), so afterwards the gradients are one device's for the global batch,
+        whatever the counts per rank, micro-step, microbatch or cp chunk. Returns this rank's detached share of that
+        loss (:meth:`global_loss` of the shares is the global mean); with every position trained, the mean over its
+        rows, computed as without ignored tokens."""
+        scale = token_scale(targets, self.roles, num_tokens)
         if self.engine is not None:
             y = targets if self._cp_positions is None else targets[:, self._cp_positions]
+            self._token_scale = scale  # read by build's stage_loss, every microbatch
             return self._observed(self.engine.step(inputs, y).detach() * self.roles.ep.size)
         n, total, ddp = self.spec.grad_accum, None, self.ddp
         fsdp = self.spec.zero == 3
@@ -117,7 +126,7 @@ class Parallelized:
                     y = y[:, self._cp_positions]
                 with _span("forward"):
                     output = self.module(input_ids=x) if self._by_name else self.module(x)
-                    loss = self.loss_fn(output, y) / n
+                    loss = self.loss_fn(output, y) / n if scale is None else token_sum(self.loss_fn, output, y) * scale
                 with _span("backward"):
                     (loss * self.loss_scale).backward()
                     if ddp is not None and last:
@@ -148,7 +157,9 @@ class Parallelized:
         (``param_groups(params)`` shapes the groups), inside :class:`vescale.parallel.DistributedOptimizer` for ZeRO
         1/2 and bf16 masters (fp32 masters and state), plain otherwise (ZeRO 3: over FSDP2's shards). With
         ``clip_grad`` every step first clips the gradient norm to it, computed as one device's (over dp, tp, ep and
-        pp); the norm is kept in :attr:`grad_norm` (or the DistributedOptimizer's).
+        pp); the norm is kept in :attr:`grad_norm` (or the DistributedOptimizer's). The spec's
+        ``optimizer_state_dtype`` (``bf16``) keeps every optimizer state tensor in bf16 between steps, masters fp32
+        (:func:`vescale.parallel.low_precision_state`, on the ZeRO pieces, FSDP2's shards or the matrices' owners).
 
         A matrix optimizer (``torch.optim.Muon`` or a subclass) takes the hidden 2-D weights (``matrices(fqn, p)``,
         default :func:`vescale.parallel.hidden_matrices`: not embeddings nor the head) with ``**kw``; the other
@@ -161,7 +172,7 @@ class Parallelized:
         finite on any rank (:func:`vescale.parallel.skip_nonfinite_steps`: one one-element all-reduce over the world
         per step); more than ``max_bad_steps`` such steps in a row raise
         :class:`vescale.parallel.NonFiniteStepError`. The guard is :attr:`step_guard` (its ``skipped`` count)."""
-        from vescale.parallel import DistributedOptimizer
+        from vescale.parallel import DistributedOptimizer, low_precision_state
 
         if skip_nonfinite:  # the same optimizer, its step guarded
             opt = self.make_optimizer(optimizer_cls, param_groups=param_groups, clip_grad=clip_grad, rest=rest,
@@ -176,7 +187,8 @@ class Parallelized:
         inner = optimizer_cls(param_groups(params) if param_groups is not None else params, **kw)
         if self.ddp is not None and (self.spec.zero in (1, 2) or self.spec.dtype != "fp32"):
             return DistributedOptimizer(self.ddp, inner, zero_stage=self.spec.zero, clip_grad=clip_grad,
-                                        pp_group=self.roles.pp.group)
+                                        pp_group=self.roles.pp.group, state_dtype=self.spec.optimizer_state_dtype)
+        low_precision_state(inner, self.spec.optimizer_state_dtype)
         if clip_grad:
             def clip(*_: Any) -> None:
                 self.clip_grad_norm_(clip_grad)
@@ -205,10 +217,12 @@ class Parallelized:
         other = rest_cls(param_groups(others) if param_groups is not None else others, **rest_kw)
         if self.ddp is not None and self.spec.zero in (1, 2):
             return DistributedMatrixOptimizer(self.ddp, matrix, other, zero_stage=self.spec.zero,
-                                              clip_grad=clip_grad, pp_group=self.roles.pp.group)
+                                              clip_grad=clip_grad, pp_group=self.roles.pp.group,
+                                              state_dtype=self.spec.optimizer_state_dtype)
         shard_dim = "dp_shard" if "dp_shard" in self.spec.mesh else "dp"  # HSDP: replicas step alike
         opt = MatrixOptimizer(self.modules, matrix, other,
-                              dp_dim=shard_dim if self.spec.zero == 3 else "_none_", tp_dim="tp")
+                              dp_dim=shard_dim if self.spec.zero == 3 else "_none_", tp_dim="tp",
+                              state_dtype=self.spec.optimizer_state_dtype)
         if clip_grad:
             opt.register_step_pre_hook(lambda *_: self.clip_grad_norm_(clip_grad))
         return opt
@@ -255,18 +269,23 @@ def resolve_tp_plan(model: nn.Module, spec: ParallelSpec, mesh, *, sequence_para
     """The plan dict of ``spec.tp_plan`` over ``mesh``: a dict as is, a family of ``vescale.parallel.PLANS``, or
     ``"auto"`` (:func:`vescale.plan.auto_plan` of ``model``, deferred or on the meta device)."""
     from vescale.parallel import PLANS
+    from vescale.plan.lora import base_view, is_lora_model, lora_plan
 
     sp = spec.sequence_parallel if sequence_parallel is None else sequence_parallel
+    lora = is_lora_model(model)  # a PEFT model: the plan of the model it wraps, adapters derived from it
     if isinstance(spec.tp_plan, dict):
-        return spec.tp_plan
-    if spec.tp_plan in PLANS:
-        return PLANS[spec.tp_plan](mesh, dp=None, sequence_parallel=sp)
-    if spec.tp_plan != "auto":
+        plan = spec.tp_plan
+    elif spec.tp_plan in PLANS:
+        plan = PLANS[spec.tp_plan](mesh, dp=None, sequence_parallel=sp)
+    elif spec.tp_plan != "auto":
         raise SpecError(f"tp_plan {spec.tp_plan!r} is neither 'auto', a plan dict, nor a family of "
                         f"vescale.parallel.PLANS ({sorted(PLANS)})")
-    from vescale.plan.auto_plan import auto_plan
+    else:
+        from vescale.plan.auto_plan import auto_plan
 
-    return auto_plan(model, mesh, sequence_parallel=sp, dp=None)
+        with base_view(model) as inner:
+            plan = auto_plan(inner, mesh, sequence_parallel=sp, dp=None)
+    return lora_plan(model, plan, mesh) if lora else plan
 
 
 def apply_tp(model: nn.Module, roles: MeshRoles, plan: dict) -> nn.Module:
@@ -408,7 +427,11 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
                 raise SpecError("build needs batch_size and seq_len (or example_inputs) with pp > 1")
             rows = batch_size // spec.batch_ranks // spec.pipeline_microbatches
             example_inputs = torch.zeros(rows, seq_len, dtype=torch.long, device=device)
-        stage_loss = loss_fn if ep == 1 else (lambda o, t: loss_fn(o, t) / ep)  # each ep rank's share
+        def stage_loss(o, t):  # each microbatch's share of the step's loss (/ M by the engine), / ep per ep rank
+            if out._token_scale is None:
+                return loss_fn(o, t) / ep
+            return token_sum(loss_fn, o, t) * (out._token_scale * spec.pipeline_microbatches / ep)
+
         out.plan = resolve_tp_plan(model, spec, roles.tp.mesh, sequence_parallel=False) if roles.tp.size > 1 else None
         engine = apply_pp(model, roles, spec, out.plan, loss_fn=stage_loss, example_inputs=example_inputs,
                           device=device)

@@ -47,6 +47,9 @@ class ParallelSpec:
     - ``grad_accum``: micro-steps per optimizer step (each over an equal slice of every data rank's rows; with a
       pipeline, one engine step over that many times the microbatches).
     - ``activation_checkpointing``: ``none``, ``full`` or ``selective``; ``compile``: torch.compile each block.
+    - ``optimizer_state_dtype``: ``fp32`` or ``bf16``: the dtype :meth:`Parallelized.make_optimizer`'s optimizer
+      keeps its state (AdamW moments, momenta) in between steps; master weights stay fp32
+      (``vescale.parallel.low_precision_state``).
     """
 
     mesh: dict[str, int] = field(default_factory=dict)
@@ -61,6 +64,7 @@ class ParallelSpec:
     grad_accum: int = 1
     activation_checkpointing: str = "none"
     compile: bool = False
+    optimizer_state_dtype: str = "fp32"
 
     # -- derived sizes ----------------------------------------------------------------------------------------------
 
@@ -148,7 +152,7 @@ class ParallelSpec:
 
     def _value_problems(self) -> list[str]:
         out = []
-        for name, allowed in (("dtype", DTYPES), ("reduce_dtype", DTYPES),
+        for name, allowed in (("dtype", DTYPES), ("reduce_dtype", DTYPES), ("optimizer_state_dtype", DTYPES),
                               ("activation_checkpointing", CHECKPOINTING)):
             if getattr(self, name) not in allowed:
                 out.append(f"{name} {getattr(self, name)!r} is not one of {list(allowed)}")

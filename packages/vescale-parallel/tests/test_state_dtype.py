@@ -1,0 +1,191 @@
+"""bf16 optimizer state (vescale.parallel.low_precision_state) on ZeRO 1/2 pieces, FSDP2 (ZeRO 3) shards and TP
+DTensors, against one device's torch.optim.AdamW with the same state semantics written out by hand.
+
+The reference keeps AdamW's ``exp_avg``/``exp_avg_sq`` in bf16 between steps: before each step it widens them to
+fp32, runs torch's AdamW, and rounds them back to bf16 (``.to(torch.bfloat16)``). Every dp rank's gradient is a
+rank- and step-dependent constant whose entries are multiples of 1/8 (the loss is ``sum(p * C)``), so the dp average
+is exact in fp32 in any order and the parallel gradients are bitwise one device's; AdamW is elementwise, so the
+parameters and the (bf16) moments must be *bitwise* the reference's after three steps.
+"""
+
+from __future__ import annotations
+
+from vescale.core.testing import multi_rank
+
+ADAMW = {"lr": 0.01, "weight_decay": 0.1}
+SHAPES = {"a": (24, 16), "b": (8, 24), "c": (32, 8)}
+TP_PLACEMENT = {"a": 0, "b": 1}  # c stays whole on every tp rank
+STEPS = 3
+
+
+def _net():
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, (m, n) in SHAPES.items():
+                setattr(self, name, nn.Linear(n, m, bias=name == "b"))
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, consts: dict):
+            from torch.distributed.tensor import DTensor
+
+            total = 0.0
+            for name, p in self.named_parameters():
+                term = (p * consts[name]).sum()
+                total = total + (term.full_tensor() if isinstance(term, DTensor) else term)
+            return total
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _consts(step: int, rank: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {name: torch.randint(-16, 17, tuple(p.shape), generator=g).float() / 8
+            for name, p in _net().named_parameters()}
+
+
+def _reference(dp: int, state_dtype) -> tuple[dict, dict]:
+    """One device, torch's AdamW; its moments rounded to ``state_dtype`` after every step, widened before."""
+    import torch
+
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), **ADAMW)
+    for step in range(STEPS):
+        consts = [_consts(step, r) for r in range(dp)]
+        for name, p in net.named_parameters():
+            p.grad = sum(c[name] for c in consts) / dp
+        for st in opt.state.values():
+            for k in ("exp_avg", "exp_avg_sq"):
+                st[k] = st[k].float()
+        opt.step()
+        for st in opt.state.values():
+            for k in ("exp_avg", "exp_avg_sq"):
+                st[k] = st[k].to(state_dtype)
+    names = dict(net.named_parameters())
+    moments = {n: opt.state[p]["exp_avg_sq"].clone() for n, p in names.items()}
+    return {n: p.detach().clone() for n, p in names.items()}, moments
+
+
+def _run(mesh, zero: int, tp: int) -> None:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from vescale.core.mesh import mesh_coordinates
+    from vescale.parallel import (
+        DDPOptions,
+        DistributedDataParallel,
+        DistributedOptimizer,
+        fully_shard_dp,
+        low_precision_state,
+    )
+
+    dp_rank = mesh_coordinates(mesh)["dp"]
+    dp = mesh.size(mesh.mesh_dim_names.index("dp"))
+    what = f"dp{dp} x tp{tp} zero{zero}"
+    net = _net()
+    tp_mesh = mesh["tp"] if tp > 1 else None
+    if tp_mesh is not None:
+        for name, dim in TP_PLACEMENT.items():
+            lin = getattr(net, name)
+            lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp_mesh, [Shard(dim)]))
+    if zero == 3:
+        model = inner = fully_shard_dp(net, mesh, blocks=None)
+        opt = low_precision_state(torch.optim.AdamW(net.parameters(), **ADAMW), "bf16")
+    else:
+        model = DistributedDataParallel(net, mesh["dp"] if tp > 1 else mesh,
+                                        DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
+        inner = model.module
+        opt = DistributedOptimizer(model, torch.optim.AdamW(inner.parameters(), **ADAMW), zero_stage=zero,
+                                   state_dtype=torch.bfloat16)
+    for step in range(STEPS):
+        consts = _consts(step, dp_rank)
+        if tp_mesh is not None:
+            consts = {n: distribute_tensor(c, tp_mesh, [Shard(TP_PLACEMENT[n[0]])])
+                      if n[0] in TP_PLACEMENT and n.endswith("weight") else c for n, c in consts.items()}
+        opt.zero_grad()
+        model(consts).backward()
+        opt.step()
+    want, want_sq = _reference(dp, torch.bfloat16)
+    for name, p in inner.named_parameters():
+        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        assert torch.equal(got, want[name]), f"{what} {name}: max diff {(got - want[name]).abs().max()}"
+    torch_opt = opt if zero == 3 else opt.optimizer
+    states = [v for st in torch_opt.state.values() for k, v in st.items() if k != "step"]
+    assert states and all(v.dtype == torch.bfloat16 for v in states), (what, {v.dtype for v in states})
+    if zero == 3:  # the moments themselves, shard by shard (FSDP2's DTensor state)
+        for name, p in inner.named_parameters():
+            got = opt.state[p]["exp_avg_sq"].full_tensor()
+            assert torch.equal(got, want_sq[name]), (what, name)
+    else:  # half the fp32 state bytes, in the optimizer's own accounting
+        held = sum(v.numel() for v in states)
+        assert opt.state_bytes() == 2 * held, (what, opt.state_bytes(), held)
+
+
+@multi_rank(world_sizes=[2])
+def test_bf16_state_dp2_zero123_bitwise():
+    """dp=2, ZeRO 1 and 2 (flat pieces), ZeRO 3 (FSDP2 shards): bitwise the bf16-state reference after three steps;
+    the state is bf16 and its bytes half of fp32's."""
+    from vescale.core.mesh import init_mesh
+
+    mesh = init_mesh({"dp": 2})
+    for zero in (1, 2, 3):
+        _run(mesh, zero, 1)
+
+
+@multi_rank(world_sizes=[4])
+def test_bf16_state_dp2_tp2_bitwise():
+    """dp=2 x tp=2 (Shard(0)/Shard(1) DTensor weights and a replicated one), ZeRO 1 and ZeRO 3."""
+    from vescale.core.mesh import init_mesh
+
+    mesh = init_mesh({"dp": 2, "tp": 2})
+    for zero in (1, 3):
+        _run(mesh, zero, 2)
+
+
+def test_one_process_and_refusals():
+    """One process: bitwise the reference; fp32 leaves the optimizer as is; bad dtypes and a stepped optimizer are
+    refused by name."""
+    import pytest
+    import torch
+
+    from vescale.parallel import ZeroError, low_precision_state, state_dtype_of
+
+    net = _net()
+    opt = low_precision_state(torch.optim.AdamW(net.parameters(), **ADAMW), torch.bfloat16)
+    assert state_dtype_of(opt) == torch.bfloat16
+    for step in range(STEPS):
+        for name, p in net.named_parameters():
+            p.grad = _consts(step, 0)[name]
+        opt.step()
+    want, want_sq = _reference(1, torch.bfloat16)
+    for name, p in net.named_parameters():
+        assert torch.equal(p.detach(), want[name]), name
+        assert torch.equal(opt.state[p]["exp_avg_sq"], want_sq[name]), name
+    # the reference with fp32 state differs: the rounding is real
+    fp32, _ = _reference(1, torch.float32)
+    assert any(not torch.equal(fp32[n], want[n]) for n in want)
+    plain = torch.optim.AdamW(_net().parameters())
+    assert low_precision_state(plain, "fp32") is plain and state_dtype_of(plain) is None
+    with pytest.raises(ZeroError, match="'fp16' is not one of"):
+        low_precision_state(torch.optim.AdamW(_net().parameters()), "fp16")
+    with pytest.raises(ZeroError, match="already keeps its state in torch.bfloat16"):
+        low_precision_state(opt, "bf16")
+    with pytest.raises(ZeroError, match="AdamW already has state"):
+        low_precision_state(_stepped(), "bf16")
+
+
+def _stepped():
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    return opt
