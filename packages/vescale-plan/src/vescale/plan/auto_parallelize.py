@@ -193,10 +193,11 @@ def _zero_stages(stages: tuple[int, ...], *, pp: int, dp: int, cp: int, ep: int)
     return out or [0]
 
 
-def language_model_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits (a tensor, or an output with ``.logits`` / ``["logits"]``)."""
+def language_model_loss(output: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of logits (a tensor, or an output with ``.logits`` / ``["logits"]``): the mean (or
+    with ``reduction="sum"`` the sum) over the target positions that are not -100 (ignored)."""
     logits = output.logits if hasattr(output, "logits") else output["logits"] if isinstance(output, dict) else output
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
 
 
 def _microbatch_example(example_args: tuple | None, example_kwargs: dict | None, mb: int, seq_len: int) -> Any:
