@@ -73,6 +73,7 @@ class Parallelized:
     _cp_positions: torch.Tensor | None = None
     _experts: list = field(default_factory=list)  # pp x ep: the experts whose stages hold plain [E / ep, ...] rows
     _by_name: bool = False  # the model takes its token ids as ``input_ids=`` (transformers), where plans place them
+    _input_name: str = "input_ids"  # the name of the model's token-id argument (a pipeline's stage 0 takes it by name)
     _token_scale: float | None = None  # this pipeline step's token_scale (None: every target position trained)
 
     @property
@@ -101,7 +102,8 @@ class Parallelized:
         return [p for m in self.modules for p in m.parameters() if p.requires_grad]
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *,
-                         num_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+                         num_tokens: int | torch.Tensor | None = None,
+                         documents: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of this rank's rows (:meth:`shard_batch` of the global inputs and targets: token ids,
         given to the model as ``input_ids=`` when its ``forward`` names it, else positionally; targets -100 are
         ignored), with ``grad_accum`` micro-steps reduced once. The loss is one device's: the mean over the trained
@@ -109,15 +111,24 @@ class Parallelized:
         scalar all-reduce over the batch ranks), so afterwards the gradients are one device's for the global batch,
         whatever the counts per rank, micro-step, microbatch or cp chunk. Returns this rank's detached share of that
         loss (:meth:`global_loss` of the shares is the global mean); with every position trained, the mean over its
-        rows, computed as without ignored tokens."""
+        rows, computed as without ignored tokens.
+
+        ``documents`` (with ``spec.document_mask``): the rows' document ids ``[B, S]`` (:meth:`shard_batch` of the
+        global ones, e.g. :func:`vescale.plan.documents_from_eos`); each token attends only within its document,
+        positions restarting per document (:func:`vescale.plan.document_inputs`: extra per-token model inputs, split
+        with the rows into micro-steps and pipeline microbatches). Without them every row is one document."""
+        extra = self._token_inputs(inputs, documents)
         scale = token_scale(targets, self.roles, num_tokens)
         if self.engine is not None:
             y = targets if self._cp_positions is None else targets[:, self._cp_positions]
             self._token_scale = scale  # read by build's stage_loss, every microbatch
-            return self._observed(self.engine.step(inputs, y).detach() * self.roles.ep.size)
+            batch = {self._input_name: inputs, **extra} if extra else inputs
+            return self._observed(self.engine.step(batch, y).detach() * self.roles.ep.size)
         n, total, ddp = self.spec.grad_accum, None, self.ddp
         fsdp = self.spec.zero == 3
+        chunks = {k: v.chunk(n) for k, v in extra.items()}  # (per-token inputs: split as the rows are)
         for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
+            kw = {k: v[i] for k, v in chunks.items()}
             last = i == n - 1
             if fsdp:  # FSDP2 reduce-scatters only in the last micro-step's backward
                 self.module.set_requires_gradient_sync(last)
@@ -125,7 +136,7 @@ class Parallelized:
                 if self._cp_positions is not None:  # this cp rank's positions: its loss is its share of the rows'
                     y = y[:, self._cp_positions]
                 with _span("forward"):
-                    output = self.module(input_ids=x) if self._by_name else self.module(x)
+                    output = self.module(input_ids=x, **kw) if self._by_name else self.module(x, **kw)
                     loss = self.loss_fn(output, y) / n if scale is None else token_sum(self.loss_fn, output, y) * scale
                 with _span("backward"):
                     (loss * self.loss_scale).backward()
@@ -133,6 +144,22 @@ class Parallelized:
                         ddp.finish_grad_sync()
             total = loss.detach() if total is None else total + loss.detach()
         return self._observed(total)
+
+    def _token_inputs(self, inputs: torch.Tensor, documents: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The model's extra per-token inputs for ``documents`` (none without a document mask); a pipeline captured
+        with them gets one document per row when none are given."""
+        from vescale.plan.documents import document_inputs
+
+        if documents is None and not (self.spec.document_mask and self.engine is not None):
+            return {}
+        if not self.spec.document_mask:
+            raise SpecError("forward_backward got documents but spec.document_mask is off (a pipeline is captured "
+                            "with the model's document inputs only when it is on): set document_mask=True")
+        if documents is None:
+            documents = torch.zeros_like(inputs)
+        if documents.shape != inputs.shape:
+            raise SpecError(f"documents {tuple(documents.shape)} do not match the inputs {tuple(inputs.shape)}")
+        return document_inputs(documents.to(inputs.device), transformers_style=self._by_name)
 
     def _observed(self, loss: torch.Tensor) -> torch.Tensor:
         if self.step_guard is not None:  # a non-finite loss skips the next optimizer step on every rank
@@ -407,8 +434,11 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
     if spec.dtype != "fp32" and (spec.zero != 3 or pp > 1):  # (ZeRO 3: FSDP2's policy casts fp32 shards)
         with record_deferred(model) if is_deferred(model) else contextlib.nullcontext():
             model.to(_dtype(spec.dtype))
-    out = Parallelized(spec, roles, [model], loss_fn=loss_fn,
-                       _by_name="input_ids" in inspect.signature(model.forward).parameters)
+    params = inspect.signature(model.forward).parameters
+    out = Parallelized(spec, roles, [model], loss_fn=loss_fn, _by_name="input_ids" in params,
+                       _input_name="input_ids" if "input_ids" in params else next(iter(params), "input_ids"))
+    if spec.document_mask and getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False  # transformers looks for packed rows (restarting positions) only without a cache
     cp_positions = None
     if cp > 1:
         if seq_len is None:
@@ -427,6 +457,11 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
                 raise SpecError("build needs batch_size and seq_len (or example_inputs) with pp > 1")
             rows = batch_size // spec.batch_ranks // spec.pipeline_microbatches
             example_inputs = torch.zeros(rows, seq_len, dtype=torch.long, device=device)
+            if spec.document_mask:  # stage 0 takes the tokens and the document inputs by name
+                from vescale.plan.documents import document_inputs
+
+                example_inputs = {out._input_name: example_inputs,
+                                  **document_inputs(torch.zeros_like(example_inputs), transformers_style=out._by_name)}
         def stage_loss(o, t):  # each microbatch's share of the step's loss (/ M by the engine), / ep per ep rank
             if out._token_scale is None:
                 return loss_fn(o, t) / ep
