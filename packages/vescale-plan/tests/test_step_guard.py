@@ -121,3 +121,48 @@ def _too_many(max_bad: int) -> None:
 @pytest.mark.parametrize("max_bad", [0, 2])
 def test_more_consecutive_bad_steps_than_allowed_raise(max_bad):
     run_on_ranks(_too_many, 2, max_bad)
+
+
+def _carried_preemption(_: int) -> None:
+    """Guard and preemption flag in one all-reduce: a SIGUSR1 to rank 1 only stops both ranks at the same step, a NaN
+    on rank 0 still skips the step everywhere, and each step (guarded ``opt.step()`` + ``should_stop()``) issues one
+    all-reduce instead of the two of the guard and the PreemptionGuard apart."""
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from vescale.core import PreemptionGuard
+    from vescale.core.comm import count_comms
+    from vescale.parallel import skip_nonfinite_steps
+
+    def run(carried: bool) -> tuple[list, list, list]:
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        guard = skip_nonfinite_steps(opt, max_consecutive=None)
+        stops, skipped, counts = [], [], []
+        with PreemptionGuard(["SIGUSR1"]) as preempt:
+            if carried:
+                guard.carry(preempt)
+            for step in range(5):
+                p.grad = torch.full((3,), float("nan") if step == 1 and dist.get_rank() == 0 else 1.0)
+                if step == 3 and dist.get_rank() == 1:
+                    os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is told
+                with count_comms() as counter:
+                    opt.step()
+                    stops.append(preempt.should_stop())
+                skipped.append(guard.last_skipped)
+                counts.append(counter.total)
+        return stops, skipped, counts
+
+    # apart: the guard's and the flag's all-reduce (the flag's stops once agreed); carried: the guard's only
+    for carried, want in ((False, [2, 2, 2, 2, 1]), (True, [1] * 5)):
+        stops, skipped, counts = run(carried)
+        assert stops == [False, False, False, True, True], (carried, stops)
+        assert skipped == [False, True, False, False, False], (carried, skipped)
+        assert counts == want, (carried, counts)
+
+
+def test_preemption_flag_carried_in_the_guards_all_reduce():
+    run_on_ranks(_carried_preemption, 2, 0)

@@ -12,6 +12,10 @@ all-reduce (MAX) of a one-element flag, so every rank sees ``True`` at the same 
             if preempt.should_stop():
                 save_checkpoint(step + 1)
                 break
+
+A loop that already agrees on something every step can carry the flag in that all-reduce instead
+(``vescale.parallel.StepGuard.carry(preempt)``: the bad-step check and the stop flag in one tensor); ``should_stop``
+then returns that step's agreed answer without a collective of its own.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class PreemptionGuard:
         self.received: signal.Signals | None = None  # the first signal this process got
         self.stopping = False  # what the last agreement said
         self._calls = 0
+        self._carried = False  # agreed() gave this step's answer: should_stop() issues no collective
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> PreemptionGuard:
@@ -78,10 +83,24 @@ class PreemptionGuard:
         if self.received is None:
             self.received = signal.Signals(signum)
 
+    def local_flag(self) -> float:
+        """This rank's stop flag (1.0 once a signal came): what a carrier's all-reduce (MAX) agrees on."""
+        return 0.0 if self.received is None else 1.0
+
+    def agreed(self, value: float) -> None:
+        """The MAX of every rank's :meth:`local_flag`, agreed by a carrier's all-reduce (``StepGuard.carry``); the
+        next :meth:`should_stop` returns it without communicating."""
+        self.stopping = self.stopping or value > 0
+        self._carried = True
+
     def should_stop(self) -> bool:
         """Whether some rank of ``group`` received one of the signals: the same answer on every rank. A collective
-        (one all-reduce of one float32) on every ``every``-th call; the calls between return the last answer."""
+        (one all-reduce of one float32) on every ``every``-th call; the calls between return the last answer. After a
+        carrier agreed the flag (:meth:`agreed`) since the last call, no collective: that answer."""
         self._calls += 1
+        if self._carried:
+            self._carried = False
+            return self.stopping
         if self.stopping or (self._calls - 1) % self.every:
             return self.stopping
         flag = torch.tensor(0.0 if self.received is None else 1.0, device=self._flag_device())

@@ -10,6 +10,10 @@ bitwise as they were, and the next good step is the step one device takes withou
 
 A rank-local check is not enough: a NaN in one tensor-parallel shard's gradient, or in one ZeRO rank's piece, is seen
 by that rank only, and a rank that skipped while the others stepped would leave the replicas apart for good.
+
+Other per-step agreements ride on the same all-reduce (:meth:`StepGuard.carry`): a
+:class:`vescale.core.PreemptionGuard`'s stop flag goes in the same tensor, so a guarded, preemptible loop pays one
+small all-reduce per step, not two.
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ class StepGuard:
         self.skipped = self.consecutive = 0
         self.last_skipped = False
         self._loss: torch.Tensor | None = None
+        self._riders: list[Any] = []
+
+    def carry(self, rider: Any) -> None:
+        """Agree ``rider``'s flag in :meth:`check`'s all-reduce from now on: ``rider.local_flag()`` (a float, this
+        rank's) goes in as one more element, and ``rider.agreed(value)`` gets the MAX over ``group`` after it (a
+        :class:`vescale.core.PreemptionGuard` is such a rider; its ``should_stop`` then issues no collective of its
+        own). ``rider`` must agree over the same ranks as this guard."""
+        if not (callable(getattr(rider, "local_flag", None)) and callable(getattr(rider, "agreed", None))):
+            raise TypeError(f"{type(rider).__name__} has no local_flag()/agreed(value): it cannot ride on the guard's "
+                            "all-reduce")
+        self._riders.append(rider)
 
     def gradients(self) -> list[torch.Tensor]:
         """This rank's gradient tensors the update reads: the DistributedOptimizer's reduced pieces (after finishing
@@ -59,7 +74,8 @@ class StepGuard:
 
     def check(self) -> bool:
         """Whether every rank of ``group`` has a finite loss (when observed) and finite gradients. A collective: one
-        all-reduce of one float32 over ``group``, on the gradients' device (NCCL: a CUDA tensor)."""
+        all-reduce (MAX) of ``1 + len(riders)`` float32 over ``group``, on the gradients' device (NCCL: a CUDA
+        tensor); each rider (:meth:`carry`) learns its agreed flag from it."""
         grads = self.gradients()
         device = grads[0].device if grads else _default_device()
         bad = torch.zeros((), dtype=torch.float32, device=device)
@@ -69,9 +85,14 @@ class StepGuard:
         if self._loss is not None:
             bad = bad + (~torch.isfinite(self._loss.detach().float())).any().float().to(device)
         self._loss = None
+        flags = torch.stack([bad.reshape(()), *(torch.tensor(float(r.local_flag()), device=device)
+                                               for r in self._riders)]) if self._riders else bad
         if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-        return float(bad) == 0.0
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        values = flags.tolist() if self._riders else [float(flags)]
+        for rider, value in zip(self._riders, values[1:]):
+            rider.agreed(value)
+        return values[0] == 0.0
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The guarded ``optimizer.step``: :meth:`check`, then the optimizer's own step, or nothing (counted) when
