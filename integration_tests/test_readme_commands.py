@@ -310,12 +310,21 @@ def _check_resumed(summary: dict, out: Path, cfg, checkpoint_run: tuple[dict, Pa
 
 
 def _check_export(directory: Path) -> None:
-    """A directory ``from_pretrained`` loads (weights, config, tokenizer)."""
+    """A directory ``from_pretrained`` loads (weights, config, tokenizer), holding trained weights: other values than
+    the workspace's ``my-model`` the run started from, under the same names."""
+    import torch
     import transformers as tf
 
     assert (directory / "config.json").is_file() and (directory / "tokenizer.json").is_file()
     model = tf.AutoModelForCausalLM.from_pretrained(directory)
     assert all(p.isfinite().all() for p in model.parameters())
+    start = directory
+    while start.parent != start and not (start / "my-model").is_dir():
+        start = start.parent
+    initial = tf.AutoModelForCausalLM.from_pretrained(start / "my-model").state_dict()
+    trained = model.state_dict()
+    assert set(trained) == set(initial)
+    assert any(not torch.equal(t, initial[n]) for n, t in trained.items()), "the export holds the untrained weights"
 
 
 # -------------------------------------------------------------------------- generation, checkpoint CLI, data prep
