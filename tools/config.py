@@ -58,6 +58,8 @@ class TrainConfig:
     data: str = "stdlib"  # stdlib (this interpreter's standard library), markov (synthetic), or a path (data.py)
     tokenizer: str | None = None  # HF tokenizer directory for --data; None: the --model directory's own
     data_field: str = "text"  # the text field of .jsonl records
+    chat: bool = False  # --data FILE.jsonl holds conversations: chat template, assistant tokens trained (chat_data.py)
+    chat_field: str = "messages"  # the conversation field (a list of {role, content}) of --chat records
     heldout: float = 0.02  # fraction of the documents held out (--eval-every, the sample prompt)
     eval_every: int = 0  # held-out loss every N steps and at the last (0: off)
     sample_every: int = 0  # print generations every N steps (0: only at the end of a run on real text)
@@ -293,6 +295,11 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="Hugging Face tokenizer directory for --data (default: the --model directory's own)")
     p.add_argument("--data-field", default=d.data_field, help="the text field of .jsonl records")
+    p.add_argument("--chat", action="store_true",
+                   help="--data FILE.jsonl holds conversations, formatted by the tokenizer's chat template; only\n"
+                        "the assistant's tokens are trained (one conversation per row, padded)")
+    p.add_argument("--chat-field", default=d.chat_field,
+                   help="the conversation field of --chat records (a list of {role, content})")
     p.add_argument("--heldout", type=float, default=d.heldout, help="fraction of documents held out")
     p.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N",
                    help="held-out loss and perplexity every N steps and at the last (metrics.jsonl, loss.png)")

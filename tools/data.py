@@ -22,7 +22,10 @@ import torch
 
 from vescale.core.errors import VescaleError
 
-__all__ = ["DataError", "MarkovCorpus", "TokenData", "DTYPES", "open_data", "resume_offset"]
+__all__ = ["DataError", "MarkovCorpus", "TokenData", "MixedData", "DTYPES", "open_data", "resume_offset", "step_rows",
+           "parse_sources"]
+
+IGNORE = -100  # an ignored target (F.cross_entropy's ignore_index)
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -111,11 +114,12 @@ class TokenData:
         if seq_len != self.seq_len:
             raise DataError(f"batch of seq_len {seq_len} asked of data packed for seq_len {self.seq_len}")
         first = offset + step * batch_size
-        rows = []
-        for k in range(first, first + batch_size):
-            epoch, i = divmod(k, self.num_sequences)
-            rows.append(self.sequence(int(self.order(epoch)[i])))
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return torch.from_numpy(np.stack([self.run_row(k) for k in range(first, first + batch_size)]).astype(np.int64))
+
+    def run_row(self, k: int) -> np.ndarray:
+        """Sequence ``k`` of the run: entry ``k mod n`` of epoch ``k // n``'s permutation."""
+        epoch, i = divmod(k, self.num_sequences)
+        return self.sequence(int(self.order(epoch)[i]))
 
     def heldout_batches(self, batch_size: int, count: int) -> list[torch.Tensor]:
         """Up to ``count`` held-out batches ``[batch_size, seq_len + 1]``: the held-out split's first sequences in
@@ -142,34 +146,152 @@ def _open(path: Path, dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def open_data(cfg, vocab_size: int) -> MarkovCorpus | TokenData:
-    """The data of a ``TrainConfig``: ``--data markov`` the synthetic corpus over ``vocab_size`` ids; otherwise the
-    prepared token directory of ``--data`` (``stdlib`` by default), tokenized on first use by ``prepare_data``
-    (``--tokenizer``, else the ``--model`` directory's own tokenizer, else for ``stdlib`` its own BPE) and cached;
-    a directory ``prepare_data.py`` wrote is opened as it is.
-    No communication: every rank may call it (after the first, a cache hit). :class:`DataError` when the data's
-    vocabulary does not fit the model's ``vocab_size``, or when ``--eval-every`` finds less than one batch held out."""
-    if cfg.data == "markov":
-        return MarkovCorpus(vocab_size, cfg.seed)
-    if (Path(cfg.data) / "meta.json").is_file() and (Path(cfg.data) / "train.bin").is_file():
-        directory = Path(cfg.data)  # a directory prepare_data.py wrote: used as it is
+def parse_sources(data: str) -> list[tuple[str, float]] | None:
+    """``--data a.jsonl:0.7,dir/:0.3`` as ``[(source, weight), ...]``; None for one source without a weight (an
+    existing path is always one source). :class:`DataError` when the weights are not finite, >= 0 and of positive
+    sum."""
+    if Path(data).exists() or ("," not in data and ":" not in data):
+        return None
+    out = []
+    for part in data.split(","):
+        source, _, weight = part.rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            if "," not in data:
+                return None  # one source whose name holds a colon
+            raise DataError(f"--data {data}: source {part!r} has no weight (SOURCE:WEIGHT)") from None
+        if not source or not np.isfinite(w) or w < 0:
+            raise DataError(f"--data {data}: source {part!r} needs a path and a finite weight >= 0")
+        out.append((source, w))
+    if not sum(w for _, w in out) > 0:
+        raise DataError(f"--data {data}: the weights sum to {sum(w for _, w in out)}; they must sum to a positive "
+                        "number")
+    return out
+
+
+def _open_source(cfg, data: str):
+    """One source of ``--data``: prepared conversations (``--chat``), or a prepared token directory."""
+    tokenizer = cfg.tokenizer
+    if tokenizer is None and (Path(cfg.model) / "tokenizer.json").is_file():
+        tokenizer = cfg.model
+    if getattr(cfg, "chat", False):
+        from chat_data import ChatData, prepare_chat
+
+        if tokenizer is None:
+            raise DataError(f"--data {data} --chat needs a tokenizer with a chat template (--model DIR or "
+                            "--tokenizer DIR)")
+        return ChatData(prepare_chat(data, tokenizer, field=cfg.chat_field, heldout=cfg.heldout), cfg.seq_len,
+                        cfg.seed)
+    if (Path(data) / "meta.json").is_file() and (Path(data) / "train.bin").is_file():
+        directory = Path(data)  # a directory prepare_data.py wrote: used as it is
     else:
         import prepare_data
 
-        tokenizer = cfg.tokenizer
-        if tokenizer is None and (Path(cfg.model) / "tokenizer.json").is_file():
-            tokenizer = cfg.model
-        directory = prepare_data.prepare(cfg.data, tokenizer, field=cfg.data_field, heldout=cfg.heldout).directory
-    data = TokenData(directory, cfg.seq_len, cfg.seed)
+        directory = prepare_data.prepare(data, tokenizer, field=cfg.data_field, heldout=cfg.heldout).directory
+    return TokenData(directory, cfg.seq_len, cfg.seed)
+
+
+class MixedData:
+    """Several sources drawn with weights: row ``k`` of the run comes from source ``choice(k)``, drawn from
+    ``(seed, k // BLOCK)``, and is that source's own next row (its row ``j`` of the run, ``j`` the rows it gave
+    before ``k``). The whole stream is a function of (sources, weights, seed) and the global row index, so the
+    position of every source resumes exactly from a checkpoint's row count on any mesh. The held-out batches, the
+    prompt and the tokenizer are the first source's."""
+
+    BLOCK = 4096
+
+    def __init__(self, sources: list, weights: list[float], seed: int) -> None:
+        self.sources, self.seed = sources, seed
+        self.weights = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+        first = sources[0]
+        self.vocab_size, self.eos_id, self.tokenizer_dir = first.vocab_size, first.eos_id, first.tokenizer_dir
+        self.seq_len = first.seq_len
+        self.fingerprint = "mix-" + ",".join(f"{s.fingerprint}:{w:.6g}" for s, w in zip(sources, weights))
+        self._blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (choices, counts before the block) per block
+
+    def entropy(self) -> None:
+        return None
+
+    def _block(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self._blocks) <= b:
+            n = len(self._blocks)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * n + 17)
+            choices = torch.multinomial(self.weights, self.BLOCK, replacement=True, generator=g)
+            before = (torch.zeros(len(self.sources), dtype=torch.long) if n == 0 else
+                      self._blocks[-1][1] + torch.bincount(self._blocks[-1][0], minlength=len(self.sources)))
+            self._blocks.append((choices, before))
+        return self._blocks[b]
+
+    def position(self, k: int) -> tuple[int, int]:
+        """``(source, its row)`` of row ``k`` of the run."""
+        b, i = divmod(k, self.BLOCK)
+        choices, before = self._block(b)
+        s = int(choices[i])
+        return s, int(before[s]) + int((choices[:i] == s).sum())
+
+    def positions(self, rows: int) -> list[int]:
+        """How many rows each source gave in the run's first ``rows`` rows (what a resumed run continues from)."""
+        b, i = divmod(rows, self.BLOCK)
+        choices, before = self._block(b)
+        return (before + torch.bincount(choices[:i], minlength=len(self.sources))).tolist()
+
+    def batch(self, step: int, batch_size: int, seq_len: int, offset: int = 0) -> torch.Tensor:
+        """The global batch of ``step``: rows ``offset + step * batch_size`` onwards of the mixed run."""
+        first = offset + step * batch_size
+        rows = [self.sources[s].run_row(j) for s, j in map(self.position, range(first, first + batch_size))]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def heldout_batches(self, batch_size: int, count: int) -> list[torch.Tensor]:
+        return self.sources[0].heldout_batches(batch_size, count)
+
+    def prompt(self, length: int) -> list[int]:
+        return self.sources[0].prompt(length)
+
+
+def open_data(cfg, vocab_size: int):
+    """The data of a ``TrainConfig``: ``--data markov`` the synthetic corpus over ``vocab_size`` ids; with ``--chat``
+    the conversations of a ``.jsonl`` (``chat_data.py``); otherwise the prepared token directory of ``--data``
+    (``stdlib`` by default), tokenized on first use by ``prepare_data`` (``--tokenizer``, else the ``--model``
+    directory's own tokenizer, else for ``stdlib`` its own BPE) and cached; a directory ``prepare_data.py`` wrote is
+    opened as it is. ``SOURCE:WEIGHT,...`` mixes several such sources (:class:`MixedData`).
+    No communication: every rank may call it (after the first, a cache hit). :class:`DataError` when a source is
+    missing or empty, the weights do not sum to a positive number, the data's vocabulary does not fit the model's
+    ``vocab_size``, or ``--eval-every`` finds less than one batch held out."""
+    if cfg.data == "markov":
+        return MarkovCorpus(vocab_size, cfg.seed)
+    mix = parse_sources(cfg.data)
+    if mix is None:
+        data = _open_source(cfg, cfg.data)
+    else:
+        sources = []
+        for source, _ in mix:
+            if not Path(source).expanduser().exists() and not any(c in source for c in "*?["):
+                raise DataError(f"--data {cfg.data}: source {source}: no such file or directory")
+            sources.append(_open_source(cfg, source))
+        data = MixedData(sources, [w for _, w in mix], cfg.seed)
+        if len({s.vocab_size for s in sources}) > 1:
+            raise DataError(f"--data {cfg.data}: the sources' tokenizers differ ({[s.vocab_size for s in sources]} "
+                            "ids); mix sources tokenized alike")
     if data.vocab_size > vocab_size:
         raise DataError(f"--data {cfg.data}: its tokenizer has {data.vocab_size} ids but model {cfg.model} embeds "
                         f"{vocab_size} (pick a model with a vocabulary at least that large, or --data markov for "
                         f"the synthetic corpus)")
     if cfg.eval_every and not data.heldout_batches(cfg.batch_size, 1):
-        raise DataError(f"--eval-every: the held-out split of --data {cfg.data} holds {len(data.heldout)} tokens, "
-                        f"less than one batch of --batch-size {cfg.batch_size} x (--seq-len {cfg.seq_len} + 1); "
-                        f"raise --heldout")
+        raise DataError(f"--eval-every: the held-out split of --data {cfg.data} holds less than one batch of "
+                        f"--batch-size {cfg.batch_size} rows of --seq-len {cfg.seq_len} + 1; raise --heldout")
     return data
+
+
+def step_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(inputs, targets, trained)`` of a global batch: ``[B, T + 1]`` token rows (targets the inputs shifted by
+    one), or ``[B, 2, T + 1]`` labelled rows (ids, then labels with -100 where nothing is trained: chat data);
+    ``trained`` counts the targets that are not -100 (``Parallelized.forward_backward``'s ``num_tokens``)."""
+    if rows.ndim == 3:
+        inputs, targets = rows[:, 0, :-1].contiguous(), rows[:, 1, 1:].contiguous()
+    else:
+        inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    return inputs, targets, int((targets != IGNORE).sum())
 
 
 def resume_offset(progress: dict, data: MarkovCorpus | TokenData, batch_size: int) -> tuple[int, str | None]:

@@ -1,6 +1,7 @@
 """Held-out loss of the model being trained (``tools/train.py --eval-every``): mean next-token cross-entropy over
-fixed held-out batches, each dp rank on its slice of every batch (with expert parallelism each ep rank on its part of
-that slice), as one device computes it on the whole batches."""
+the trained tokens (targets not -100: a chat file's assistant tokens) of fixed held-out batches, each dp rank on its
+slice of every batch (with expert parallelism each ep rank on its part of that slice), as one device computes it on
+the whole batches."""
 
 from __future__ import annotations
 
@@ -15,42 +16,42 @@ __all__ = ["heldout_loss"]
 def heldout_loss(model: nn.Module, batches: list[torch.Tensor], *, dp_rank: int, dp: int,
                  dp_group: dist.ProcessGroup | None, device: torch.device, ep_rank: int = 0, ep: int = 1,
                  ep_group: dist.ProcessGroup | None = None) -> float:
-    """The mean loss over ``batches`` (each ``[B, T + 1]``, ``B`` divisible by ``dp x ep``: inputs and shifted
-    targets), as one device computes it on the whole batches.
+    """The mean loss over the trained tokens of ``batches`` (each ``[B, T + 1]`` token rows or ``[B, 2, T + 1]``
+    labelled rows, ``data.step_rows``; ``B`` divisible by ``dp x ep``), as one device computes it on them all.
 
     Rows as the trainer splits a training batch: each dp rank takes its slice ``batch.chunk(dp)[dp_rank]``, and
     with expert parallelism (``ep > 1``, a model from ``vescale.parallel.parallelize_experts``) each ep rank its part
     of that slice, ``.chunk(ep)[ep_rank]``: the experts' all-to-alls need every ep rank to call the model as often as
     the others, each with its own rows. Collective: every rank of the mesh calls it with the same ``batches``; ranks
     of one (dp, ep) rank's tp group run the same forwards; the per-rank means are averaged by one ``all_reduce`` over
-    ``dp_group`` and one over ``ep_group`` (equal slices, so the mean of means is the global mean). A batch whose
+    ``dp_group`` and one over ``ep_group`` (of the loss sum and the token count). A batch whose
     rows do not divide over ``dp x ep`` raises ``ValueError`` on every rank before any forward. With ``ep > 1`` the
     model is called as ``model(input_ids=rows)``, the batch boundary ``parallelize_experts`` gives the root (Hugging
     Face's argument name; a positional batch would not be sharded over ep). ``model`` is left in the mode it was in.
     """
+    from data import step_rows
+
     from vescale.plan import language_model_loss
 
     for batch in batches:
-        if batch.ndim != 2 or batch.shape[0] % (dp * ep):
+        if batch.ndim not in (2, 3) or batch.shape[0] % (dp * ep):
             raise ValueError(f"heldout_loss: a held-out batch of shape {tuple(batch.shape)} does not split into "
                              f"[rows, seq_len + 1] slices of equal rows over dp={dp} x ep={ep}")
     was_training = model.training
     model.eval()
     try:
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # the loss sum, the trained tokens
         for batch in batches:
-            rows = batch.chunk(dp)[dp_rank].chunk(ep)[ep_rank].to(device)
-            inputs = rows[:, :-1].contiguous()
+            inputs, targets, _ = step_rows(batch.chunk(dp)[dp_rank].chunk(ep)[ep_rank].to(device))
             out = model(input_ids=inputs) if ep > 1 else model(inputs)
-            total += language_model_loss(out, rows[:, 1:].contiguous()).double()
-        total /= max(1, len(batches))
+            total[0] += language_model_loss(out, targets, reduction="sum").double()
+            total[1] += (targets != -100).sum()
         for size, group in ((dp, dp_group), (ep, ep_group)):
             if size > 1:
                 dist.all_reduce(total, group=group)
-                total /= size
     finally:
         model.train(was_training)
-    return float(total)
+    return float(total[0] / total[1].clamp(min=1))
 
 
 class _InputIds(nn.Module):
@@ -85,12 +86,14 @@ class TextMonitor:
 
     def __init__(self, cfg, data, model, *, dp_rank: int, dp: int, dp_group, device, log, ep_rank: int = 0,
                  ep: int = 1, ep_group=None) -> None:
-        from data import TokenData
+        from chat_data import ChatData
+        from data import MixedData, TokenData
 
         self.cfg, self.data, self.model, self.log = cfg, data, model, log
         self.dp_rank, self.dp, self.dp_group, self.device = dp_rank, dp, dp_group, device
         self.ep_rank, self.ep, self.ep_group = ep_rank, ep, ep_group  # ep > 1: each ep rank its part of the rows
-        self.text = isinstance(data, TokenData)
+        self.text = isinstance(data, (TokenData, ChatData, MixedData))
+        self.chat = bool(getattr(cfg, "chat", False))  # prompts in the chat template, ending in its assistant turn
         self.pipeline = isinstance(model, (list, tuple))
         # (data.open_data has refused --eval-every when the held-out split holds less than one batch)
         self.batches = data.heldout_batches(cfg.batch_size, self.EVAL_BATCHES) if self.text else []
@@ -98,6 +101,14 @@ class TextMonitor:
         self.last_sampled = -1
 
     def _prompt(self) -> list[int]:
+        if self.chat:  # --prompt as a user turn, else the first held-out conversation's turns before the assistant's
+            if self.cfg.prompt is None:
+                return self.data.prompt(self.cfg.seq_len // 2)
+            from chat_data import chat_tokenizer
+
+            return list(chat_tokenizer(self.data.tokenizer_dir).apply_chat_template(
+                [{"role": "user", "content": self.cfg.prompt}], tokenize=True, add_generation_prompt=True,
+                return_dict=True)["input_ids"])
         if self.cfg.prompt is None:  # the held-out split's first tokens, cut after their last line break
             ids = self.data.prompt(min(32, self.cfg.seq_len // 2))
             if self.data.tokenizer_dir is not None:

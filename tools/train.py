@@ -46,7 +46,7 @@ if TOOLS not in sys.path:  # config, models, data and report live next to this f
     sys.path.insert(0, TOOLS)
 import models  # noqa: E402
 from config import TrainConfig, check_fits, lr_at, parallel_spec, parse_args, prepare_out  # noqa: E402
-from data import DataError, open_data, resume_offset  # noqa: E402
+from data import DataError, open_data, resume_offset, step_rows  # noqa: E402
 from evaluate import TextMonitor  # noqa: E402
 from report import RunLog, TimelineWindow, dump_grads, gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
 from resilience import Resilience, auto_resume  # noqa: E402
@@ -174,12 +174,13 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     for step in range(start, cfg.steps):
         window.before(step)
         t0 = time.perf_counter()
-        tokens = par.shard_batch(corpus.batch(step, cfg.batch_size, cfg.seq_len, offset)).to(device)
+        inputs, targets, trained = step_rows(corpus.batch(step, cfg.batch_size, cfg.seq_len, offset))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         optimizer.zero_grad(set_to_none=True)
         with count_comms(mesh) if step == comm_step and mesh is not None else contextlib.nullcontext() as counter:
-            loss = par.forward_backward(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+            loss = par.forward_backward(par.shard_batch(inputs).to(device), par.shard_batch(targets).to(device),
+                                        num_tokens=trained)  # one device's mean over the trained tokens
             if cfg.grad_dump and step == start:  # before clipping and the update: the raw gradient of the batch
                 at = mesh_coordinates(mesh) if mesh is not None else {}  # one copy of each: the replicas' first
                 dump_grads(par.grads(), cfg.grad_dump, keep=all(at.get(d, 0) == 0 for d in ("dp", "cp", "tp")))
