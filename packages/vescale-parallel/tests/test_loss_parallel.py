@@ -14,7 +14,8 @@ from vescale.core.testing import multi_rank
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _check(mesh, logits_placements, vocab: int, *, smoothing: float, reduction: str, via: str):
+def _check(mesh, logits_placements, vocab: int, *, smoothing: float, reduction: str, via: str,
+           ignore_index: int = -100, ignored_rows: int = 0):
     import torch
     import torch.nn.functional as F
     from torch.distributed.tensor import distribute_tensor
@@ -24,23 +25,27 @@ def _check(mesh, logits_placements, vocab: int, *, smoothing: float, reduction: 
     g = torch.Generator().manual_seed(vocab)
     full = torch.randn(6, 5, vocab, generator=g) * 3
     target = torch.randint(0, vocab, (6, 5), generator=g)
-    target[0, :2] = -100
-    target[3, 4] = -100
+    target[0, :2] = ignore_index
+    target[3, 4] = ignore_index
+    target[:ignored_rows] = ignore_index
     ref_in = full.clone().requires_grad_()
-    ref = F.cross_entropy(ref_in.flatten(0, 1), target.flatten(), label_smoothing=smoothing, reduction=reduction)
+    ref = F.cross_entropy(ref_in.flatten(0, 1), target.flatten(), label_smoothing=smoothing, reduction=reduction,
+                          ignore_index=ignore_index)
     ref.backward(torch.ones_like(ref))
 
     logits = distribute_tensor(full, mesh, logits_placements).requires_grad_()
     tgt = distribute_tensor(target, mesh, _target_placements(logits_placements))
     if via == "function":
-        loss = vocab_parallel_cross_entropy(logits, tgt, label_smoothing=smoothing, reduction=reduction)
+        loss = vocab_parallel_cross_entropy(logits, tgt, label_smoothing=smoothing, reduction=reduction,
+                                            ignore_index=ignore_index)
         if reduction == "none":
             loss = loss.flatten(0, 1)
     else:
         flat, flat_t = logits.flatten(0, 1), tgt.flatten(0, 1)
         with loss_parallel():
             if via == "F":
-                loss = F.cross_entropy(flat, flat_t, label_smoothing=smoothing, reduction=reduction)
+                loss = F.cross_entropy(flat, flat_t, label_smoothing=smoothing, reduction=reduction,
+                                       ignore_index=ignore_index)
             else:
                 loss = torch.nn.CrossEntropyLoss(label_smoothing=smoothing, reduction=reduction)(flat, flat_t)
     loss.backward(torch.ones_like(loss))  # outside the context: no context needed in backward
@@ -76,6 +81,23 @@ def test_vocab_parallel_cross_entropy_matches_full(world_size):
         _check(mesh, [Shard(2), Shard(0)], 16, smoothing=0.0, reduction="mean", via="F")  # tp dim first
         mesh4 = init_mesh({"tp": 4})
         _check(mesh4, [Shard(2)], 10, smoothing=0.3, reduction="mean", via="function")  # chunks 3, 3, 3, 1
+
+
+@multi_rank(world_sizes=[4])
+def test_vocab_parallel_cross_entropy_ignores_a_whole_dp_rank(world_size):
+    """Uneven trained tokens over dp (dp rank 0's rows all ignored): the mean is over the global batch's trained
+    tokens; ``ignore_index`` may also be a class id (7), which then never counts as a target on its vocab owner."""
+    from torch.distributed.tensor import Shard
+
+    from vescale.core.mesh import init_mesh
+
+    mesh = init_mesh({"dp": 2, "tp": 2})
+    for ignore_index in (-100, 7):
+        for reduction in ("mean", "sum"):
+            _check(mesh, [Shard(0), Shard(2)], 10, smoothing=0.0, reduction=reduction, via="function",
+                   ignore_index=ignore_index, ignored_rows=3)
+        _check(mesh, [Shard(0), Shard(2)], 10, smoothing=0.1, reduction="mean", via="F", ignore_index=ignore_index,
+               ignored_rows=3)
 
 
 @multi_rank(world_sizes=[2])
