@@ -32,9 +32,9 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.*"  # resolved by pip's own configuration (find-links, indexes): the CPU build here
 # What tools/ imports beyond the packages: transformers (--model llama/mixtral/gpt2/a HF directory, --export-hf,
 # tools/generate.py), tokenizers (the default corpus's BPE, --tokenizer DIR; also a transformers dependency),
-# matplotlib (loss.png, timeline.png), tensorboard (--tensorboard event files). safetensors comes with
-# vescale-checkpoint, numpy with vescale-core.
-TOOLS = ["transformers>=5", "tokenizers", "matplotlib", "tensorboard"]
+# matplotlib (loss.png, timeline.png), tensorboard (--tensorboard event files), peft (--lora: the PEFT model and
+# its adapter export). safetensors comes with vescale-checkpoint, numpy with vescale-core.
+TOOLS = ["transformers>=5", "tokenizers", "matplotlib", "tensorboard", "peft>=0.17"]
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests", "integration"]

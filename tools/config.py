@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import lora
 import models
 
 from vescale.core.mesh import CANONICAL_DIM_ORDER, parse_mesh_spec
@@ -78,6 +79,7 @@ class TrainConfig:
     collective_timeout: float | None = None  # seconds; None: $VESCALE_COLLECTIVE_TIMEOUT, else 300
     collective_ring: int = 0  # last collectives each rank records for the hang diagnosis (0: none, use torch's
     # flight recorder: no call sites, but no per-op cost)
+    lora: dict | None = None  # --lora r=8,alpha=16,targets=q_proj,...: train LoRA adapters only (tools/lora.py)
     export_hf: str | None = None  # directory: the trained model as from_pretrained loads it (+ config, tokenizer)
     peak_tflops: float = 0.0  # one device's peak (dense, the run's dtype) for the MFU figure; 0: no MFU
     overwrite: bool = False  # replace another run's outputs in --out
@@ -199,6 +201,7 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
                         "supported yet (the fp32 masters of the stages' plain [E / ep, ...] experts, placed in the "
                         "global tensors by their GlobalPiece marks, are untested); fp32 ones are")
     problems += models.pretrained_problems(cfg.model)
+    problems += lora.lora_problems(cfg)
     if cfg.export_hf and not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         problems.append(f"--export-hf needs a Hugging Face model (a model directory or one of "
                         f"{sorted(models.HF_MODELS)}); {cfg.model} has no transformers class")
@@ -233,6 +236,13 @@ def _schedules() -> list[str]:
     from vescale.pipe.schedule import schedule_names
 
     return schedule_names()
+
+
+def _lora_arg(text: str) -> dict:
+    try:
+        return lora.parse_lora(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
@@ -337,6 +347,9 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--export-hf", default=None, metavar="DIR",
                    help="at the end, write the trained model as a directory transformers' from_pretrained loads\n"
                         "(config.json, safetensors, and the model directory's tokenizer when it has one)")
+    p.add_argument("--lora", default=None, type=_lora_arg, metavar="r=R,alpha=A,targets=NAME[,NAME...]",
+                   help="train LoRA adapters (peft) on the named modules of a transformers --model, the base\n"
+                        "frozen; checkpoints hold the adapters, --export-hf also writes them to DIR/adapter")
     p.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
                    help="one device's peak TFLOP/s in the run's dtype: summary.json then reports the model\n"
                         "FLOPs utilisation (MFU, the formula in the README)")

@@ -44,6 +44,7 @@ from vescale.core.watchdog import watch_collectives
 TOOLS = str(Path(__file__).resolve().parent)
 if TOOLS not in sys.path:  # config, models, data and report live next to this file (tests load it by path)
     sys.path.insert(0, TOOLS)
+import lora  # noqa: E402
 import models  # noqa: E402
 from config import TrainConfig, check_fits, lr_at, parallel_spec, parse_args, prepare_out  # noqa: E402
 from data import DataError, open_data, resume_offset, step_rows  # noqa: E402
@@ -65,11 +66,12 @@ def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     from vescale.dtensor import deferred_init
     from vescale.dtensor import random as vescale_random
 
+    create = lora.creator(cfg.lora)  # models.create; with --lora its PEFT model (the adapters recorded too)
     torch.manual_seed(cfg.seed)
     if cfg.init == "eager":
-        return models.create(cfg.model).to(device)
+        return create(cfg.model).to(device)
     vescale_random.manual_seed(cfg.seed)
-    return deferred_init(models.create, cfg.model)
+    return deferred_init(create, cfg.model)
 
 
 def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
@@ -107,7 +109,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     load = None
     if models.is_hf_dir(cfg.model):  # each rank fills what it holds from the directory's safetensors
         tied = models.tied_names(model)
-        load = lambda held, stages: models.load_pretrained(cfg.model, held, stages=stages, tied=tied)  # noqa: E731
+        load = lambda held, stages: lora.load_pretrained(cfg.model, held, stages=stages, tied=tied)  # noqa: E731
     log(cfg, f"model {cfg.model} ({num_params / 1e6:.1f}M parameters, {cfg.init} init), mesh {cfg.mesh}: "
         f"ZeRO {spec.zero}, {spec.dtype}, tp plan {spec.tp_plan if isinstance(spec.tp_plan, str) else 'dict'}"
         + (f", schedule {spec.schedule} x {spec.pipeline_microbatches} microbatches" if spec.size("pp") > 1 else ""))
@@ -161,7 +163,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         offset, note = resume_offset(progress, corpus, cfg.batch_size)
         if note:
             log(cfg, note)
-    monitor = TextMonitor(cfg, corpus, trainer.state["model"], dp_rank=roles.dp.rank, dp=roles.dp.size,
+    monitor = TextMonitor(cfg, corpus, par.held, dp_rank=roles.dp.rank, dp=roles.dp.size,
                           dp_group=roles.dp.group, log=lambda m: log(cfg, m), device=device, ep_rank=roles.ep.rank,
                           ep=roles.ep.size, ep_group=roles.ep.group)
     run_log = RunLog(out, cfg.steps, start, active=rank == 0, append=bool(cfg.resume), quiet=cfg.quiet,
@@ -203,7 +205,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     if not cfg.quiet and cfg.steps > start and roles.cp.size == 1:  # what the model learned, in text (real data)
         monitor.sample(cfg.steps - 1)
     if cfg.export_hf:
-        models.export_run(cfg, trainer.state["model"], out, log=lambda m: log(cfg, m))
+        lora.export(cfg, par.held, out, log=lambda m: log(cfg, m))
     per_rank = gather_per_rank([peak_memory_mb(), trainer.init_s, trainer.init_bytes], device)
     if rank != 0:
         return {}

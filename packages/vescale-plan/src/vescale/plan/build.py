@@ -86,6 +86,11 @@ class Parallelized:
         return self.modules[0] if self.engine is None else None
 
     @property
+    def held(self) -> nn.Module | list[nn.Module]:
+        """The (unwrapped) model as this rank holds it: the model, or its pipeline stages with pp."""
+        return self.modules[0] if self.engine is None else self.modules
+
+    @property
     def loss_scale(self) -> float:
         """What each rank multiplies its rows' mean loss by before backward when it runs ``module`` itself: ``1 /
         ep`` (each ep rank backpropagates its share; DDP averages over dp), else 1."""
@@ -266,8 +271,13 @@ class Parallelized:
     def state(self, optimizer=None) -> dict:
         """What a checkpoint saves and loads (any other mesh loads it): ``{"model": ..., "optim": optimizer}``, the
         model as :attr:`modules` holds it (with pp x ep the stages' plain expert rows are marked as boxes of the global
-        tensors, which a checkpoint, the optimizer's sharded state and a plain optimizer's state follow)."""
-        model = self.modules[0] if self.engine is None else self.modules
+        tensors, which a checkpoint, the optimizer's sharded state and a plain optimizer's state follow). A LoRA
+        model's ``"model"`` is its adapters only (``{fqn: parameter}``: :func:`vescale.plan.lora.adapter_state`)."""
+        from vescale.plan.lora import adapter_state, is_lora_model
+
+        model = self.held
+        if self.engine is None and is_lora_model(model):  # a LoRA model: its adapters (the base stays as loaded)
+            model = adapter_state(model)
         return {"model": model} if optimizer is None else {"model": model, "optim": optimizer}
 
     def grads(self) -> dict[str, torch.Tensor]:
@@ -426,6 +436,11 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
         mesh = init_mesh(dims)
     roles = MeshRoles.of(mesh)
     pp, ep, cp = roles.pp.size, roles.ep.size, roles.cp.size
+    from vescale.plan.lora import is_lora_model
+
+    if is_lora_model(model) and (pp > 1 or ep > 1 or cp > 1):
+        raise SpecError(f"a LoRA (peft) model runs on dp, tp and ZeRO 0-3; pp={pp}, ep={ep}, cp={cp} are not "
+                        "supported yet")
     if ep > 1 and "dp" not in roles.mesh.mesh_dim_names and (pp > 1 or spec.zero or spec.dtype != "fp32"):
         raise SpecError(f"mesh {roles.mesh.mesh_dim_names}: ep with pp, ZeRO or bf16 reduces through DDP over dp x "
                         "ep; give the mesh a dp dim (dp=1 will do)")

@@ -33,14 +33,15 @@ from vescale.core.placement_format import format_placements
 from vescale.plan.decisions import AutoPlan, Decision
 from vescale.plan.spec import SpecError
 
-__all__ = ["is_lora_model", "lora_plan", "adapter_placements", "base_fqn", "base_view", "trainable_fqns"]
+__all__ = ["is_lora_model", "lora_layers", "lora_plan", "adapter_placements", "adapter_state", "base_fqn", "base_view",
+           "inner_prefix"]
 
 _ADAPTERS = ("lora_A", "lora_B")
 # LoRA variants whose extra tensors have no placement rule here (DoRA's magnitudes, embedding adapters, ...)
 _UNSUPPORTED = ("lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B")
 
 
-def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """``{fqn: layer}`` of the LoRA layers in ``model``: modules with a ``base_layer`` child and ``lora_A`` /
     ``lora_B`` adapter dicts (peft's ``LoraLayer``, recognised by structure)."""
     return {fqn: m for fqn, m in model.named_modules()
@@ -50,10 +51,10 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def is_lora_model(model: nn.Module) -> bool:
     """Whether ``model`` holds LoRA layers (a ``peft`` model, or one ``inject_adapter_in_model`` changed)."""
-    return bool(_lora_layers(model))
+    return bool(lora_layers(model))
 
 
-def _inner_prefix(model: nn.Module) -> str:
+def inner_prefix(model: nn.Module) -> str:
     """The FQN prefix of the unwrapped model inside ``model`` (``"base_model.model."`` for a ``PeftModel``)."""
     get = getattr(model, "get_base_model", None)
     inner = get() if callable(get) else None
@@ -99,9 +100,9 @@ def adapter_placements(base: tuple, which: str, *, fqn: str = "") -> tuple:
 def base_view(model: nn.Module):
     """Within: the unwrapped model inside ``model`` (itself when not wrapped) with its LoRA layers running their base
     layer only, so a trace (``auto_plan``) sees the base model's matmuls under ``...base_layer`` names."""
-    layers = [m for m in _lora_layers(model).values() if callable(getattr(m, "enable_adapters", None))]
+    layers = [m for m in lora_layers(model).values() if callable(getattr(m, "enable_adapters", None))]
     was = [bool(getattr(m, "disable_adapters", False)) for m in layers]
-    prefix = _inner_prefix(model)
+    prefix = inner_prefix(model)
     inner = model.get_submodule(prefix[:-1]) if prefix else model
     trains = [(p, p.requires_grad) for p in model.parameters()]  # (peft's switch also flips requires_grad)
     for m in layers:
@@ -115,9 +116,11 @@ def base_view(model: nn.Module):
             p.requires_grad_(flag)
 
 
-def trainable_fqns(model: nn.Module) -> list[str]:
-    """The FQNs of ``model``'s parameters that train (``requires_grad``): the adapters of a LoRA model."""
-    return [n for n, p in model.named_parameters() if p.requires_grad]
+def adapter_state(model: nn.Module) -> dict[str, nn.Parameter]:
+    """What a checkpoint of LoRA model ``model`` holds: ``{fqn: parameter}`` of the parameters that train (the
+    adapters, as laid out: DTensors over tp, FSDP2 shards), which ``vescale.checkpoint`` saves and loads in place on any
+    mesh. The frozen base weights are not in it (they come from the base model's weights)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def lora_plan(model: nn.Module, plan: dict, mesh=None) -> AutoPlan:
@@ -127,8 +130,8 @@ def lora_plan(model: nn.Module, plan: dict, mesh=None) -> AutoPlan:
 
     Raises :class:`~vescale.plan.SpecError` naming the adapter when its base layer is sharded in a way no adapter
     layout follows (a LoRA embedding of a vocab-parallel table, DoRA magnitudes of a sharded layer)."""
-    prefix = _inner_prefix(model)
-    layers = _lora_layers(model)
+    prefix = inner_prefix(model)
+    layers = lora_layers(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     section = plan.get("parameter", {})
     # base placements: the plan matched against both spellings of each FQN (plain names, or auto_plan's base_layer)
