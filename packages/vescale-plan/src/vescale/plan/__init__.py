@@ -11,40 +11,75 @@ parallelism: a :class:`ParallelSpec` (plain data, JSON) in, the training-loop in
 
 from __future__ import annotations
 
-from vescale.plan.activations import ActivationBytes, ModelShape, activation_bytes, model_shape
-from vescale.plan.auto_parallelize import (
-    ParallelReport,
-    auto_parallelize,
-    choose_parallelism,
-    language_model_loss,
-)
-from vescale.plan.auto_plan import AutoPlan, Decision, auto_plan, plan_from_trace
-from vescale.plan.build import Parallelized, apply_dp, apply_ep, apply_pp, apply_tp, build, resolve_tp_plan
-from vescale.plan.comm import CommCounter
-from vescale.plan.cost import CostEstimate, HardwareModel, estimate
-from vescale.plan.dry_run import DryRunReport, dry_run
-from vescale.plan.errors import TraceError
-from vescale.plan.explain import explain, explain_choice
-from vescale.plan.hf_tp_plan import from_transformers_tp_plan
-from vescale.plan.pipeline import PipelineSplit, build_pipeline, pipeline_split
-from vescale.plan.spec import ParallelSpec, SpecError
-from vescale.plan.trace import ModelTrace, trace_model
-from vescale.plan.verify import PairCheck, verify_pairs
+import sys
+import types
+
+# name -> the module that defines it. ``import vescale.plan`` loads none of them: each is imported on first use
+# (module ``__getattr__``, PEP 562), so ``from vescale.plan import build`` (tools/train.py at every rank start) pays
+# for build and what it imports, not for the tracer, the planner and the cost model as well.
+_WHERE = {
+    "ActivationBytes": "activations", "ModelShape": "activations", "activation_bytes": "activations",
+    "model_shape": "activations",
+    "ParallelReport": "auto_parallelize", "auto_parallelize": "auto_parallelize",
+    "choose_parallelism": "auto_parallelize", "language_model_loss": "auto_parallelize",
+    "AutoPlan": "auto_plan", "Decision": "auto_plan", "auto_plan": "auto_plan", "plan_from_trace": "auto_plan",
+    "Parallelized": "build", "apply_dp": "build", "apply_ep": "build", "apply_pp": "build", "apply_tp": "build",
+    "build": "build", "resolve_tp_plan": "build",
+    "CommCounter": "comm",
+    "CostEstimate": "cost", "HardwareModel": "cost", "estimate": "cost", "estimate_spec": "cost",
+    "DryRunReport": "dry_run", "dry_run": "dry_run",
+    "document_inputs": "documents", "document_positions": "documents", "documents_from_eos": "documents",
+    "TraceError": "errors",
+    "explain": "explain", "explain_choice": "explain",
+    "from_transformers_tp_plan": "hf_tp_plan",
+    "PipelineSplit": "pipeline", "build_pipeline": "pipeline", "pipeline_split": "pipeline",
+    "ParallelSpec": "spec", "SpecError": "spec",
+    "ModelTrace": "trace", "trace_model": "trace",
+    "PairCheck": "verify", "verify_pairs": "verify",
+}
 
 __all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace", "explain", "auto_parallelize",
            "choose_parallelism", "ParallelReport",
-           "language_model_loss", "CostEstimate", "HardwareModel", "estimate", "PipelineSplit",
+           "language_model_loss", "CostEstimate", "HardwareModel", "estimate", "estimate_spec", "PipelineSplit",
            "pipeline_split", "build_pipeline", "CommCounter", "trace_model", "ModelTrace", "TraceError",
            "verify_pairs", "PairCheck", "from_transformers_tp_plan", "explain_choice", "ModelShape", "model_shape",
            "ActivationBytes", "activation_bytes", "ParallelSpec", "SpecError", "build", "Parallelized", "apply_tp",
-           "apply_ep", "apply_pp", "apply_dp", "resolve_tp_plan", "dry_run", "DryRunReport"]
+           "apply_ep", "apply_pp", "apply_dp", "resolve_tp_plan", "dry_run", "DryRunReport",
+           "document_inputs", "document_positions", "documents_from_eos"]
 
 
 def __getattr__(name: str):
+    """The public name ``name``, imported from its module on first use (then cached in this module's globals)."""
+    module = _WHERE.get(name)
+    if module is not None:
+        import importlib
+
+        value = getattr(importlib.import_module(f"vescale.plan.{module}"), name)
+        globals()[name] = value
+        return value
     if name == "ParallelResult":  # the result of auto_parallelize before it went through build
         import warnings
 
         warnings.warn("vescale.plan.ParallelResult is now vescale.plan.Parallelized (what build and "
                       "auto_parallelize return)", DeprecationWarning, stacklevel=2)
-        return Parallelized
+        return __getattr__("Parallelized")
     raise AttributeError(f"module 'vescale.plan' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """This package's module type: importing a submodule named like the function it defines (``build``,
+    ``auto_plan``, ``dry_run``, ...) binds the function, not the submodule, as the package attribute (what the eager
+    ``from vescale.plan.build import build`` of the package's import did), so ``from vescale.plan import build``
+    gives the function whichever import came first."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and _WHERE.get(name) == name and value.__name__ == f"{__name__}.{name}":
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -5,9 +5,10 @@ MODEL is a Hugging Face ``config.json`` (or a model directory holding one; weigh
 meta device (shapes only), priced by :func:`vescale.plan.choose_parallelism` for every ``pp x dp x cp x ep x tp`` and
 ZeRO stage, and the choice printed: the spec (JSON for ``tools/train.py --spec``), memory per rank by term, the
 step-time estimate by term, and the best alternatives with why each lost. Nothing fits: exit status 2 with the
-reasons; bad input (MODEL, ``--fixed``, hardware file): exit status 1 naming it. ``--dry-run`` then builds the choice
-for one rank of the whole world in this process (:func:`vescale.plan.dry_run`) and prints its exact bytes beside the
-estimate and the collectives of one step by mesh dim.
+reasons; bad input (MODEL, ``--fixed``, hardware file): exit status 1 naming it. ``--calibrate FILE`` instead measures
+this machine (:func:`vescale.plan.calibrate.calibrate`) and writes a ``--hardware`` file. ``--dry-run`` then builds
+the choice for one rank of the whole world in this process (:func:`vescale.plan.dry_run`) and prints its exact bytes
+beside the estimate and the collectives of one step by mesh dim.
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ def _hardware(name: str | None) -> tuple[HardwareModel, float | None]:
     data = _read_json(path, f"--hardware {name!r}")
     known = {f.name for f in fields(HardwareModel)}
     memory = data.pop("memory_gb", None) if isinstance(data, dict) else None
+    if isinstance(data, dict):
+        data.pop("calibration", None)  # what --calibrate measured, kept for the reader
     unknown = sorted(set(data) - known) if isinstance(data, dict) else ["(not an object)"]
     if unknown:
-        raise CliError(f"--hardware {name!r}: unknown field(s) {unknown}; the fields are {sorted(known)} and "
-                       "memory_gb")
+        raise CliError(f"--hardware {name!r}: unknown field(s) {unknown}; the fields are {sorted(known)}, "
+                       "memory_gb and calibration")
     return HardwareModel(**{k: float(v) for k, v in data.items()}), memory
 
 
@@ -125,8 +128,12 @@ def _fixed(items: list[str]) -> dict[str, int]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m vescale.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="config.json, a model directory, or a transformers model type")
-    p.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) of the job")
+    p.add_argument("model", metavar="MODEL", nargs="?", help="config.json, a model directory, or a transformers "
+                   "model type")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (GPUs) of the job (with --calibrate: the "
+                   "local ranks probed, default 2)")
+    p.add_argument("--calibrate", metavar="FILE", default=None, help="measure this machine's matmul rate and "
+                   "collective latency / bandwidth on --world-size local ranks and write a --hardware FILE (no MODEL)")
     p.add_argument("--memory-gb", type=float, default=None, help="memory per rank (default: the hardware's)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=512, help="global batch in sequences")
@@ -259,7 +266,16 @@ def plan(args) -> tuple[Any, Any, HardwareModel, float | None]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 planned, 1 bad input, 2 nothing fits or the dry run failed)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.calibrate:
+        from vescale.plan.calibrate import calibrate
+
+        wrote = calibrate(args.calibrate, world_size=args.world_size or 2)
+        print(json.dumps({k: v for k, v in wrote.items() if k != "calibration"}))
+        return 0
+    if args.model is None or args.world_size is None:
+        parser.error("MODEL and --world-size are required (unless --calibrate FILE)")
     t0 = time.perf_counter()
     try:
         report, spec, hw, budget = plan(args)

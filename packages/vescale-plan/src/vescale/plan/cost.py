@@ -10,17 +10,19 @@ papers' accounting:
 * tp: per column/row pair, an all-gather and a reduce-scatter of the rank's activations in forward and the same in
   backward (sequence parallel; without it two all-reduces of the same bytes each way), plus the head's logits.
   Ring cost ``(n - 1) / n`` of the full tensor per all-gather/reduce-scatter, twice that per all-reduce.
-* dp: one all-reduce of the rank's gradients per step (ZeRO-1/2: reduce-scatter + all-gather, the same bytes;
-  ZeRO-3: an all-gather of the parameters in forward, another in backward and a reduce-scatter of the gradients,
-  ``3 (dp - 1) / dp`` of the parameters). With cp the gradient reduction spans dp x cp (cp ranks hold the same
-  parameters); with ep the dense parameters' spans dp x ep, the experts' dp only.
+* dp: ring bytes of the gradient reduction as vescale runs it (gradients in ``reduce_dtype``, fp32 by default;
+  parameters in their dtype): ZeRO 0 an all-reduce of the gradients; ZeRO 1 the same all-reduce (DDP) plus an
+  all-gather of the updated parameters; ZeRO 2 a reduce-scatter plus that all-gather; ZeRO 3 two all-gathers of the
+  parameters (forward, backward) and a reduce-scatter of the gradients. With cp the gradient reduction spans dp x cp
+  (cp ranks hold the same parameters); with ep the dense parameters' spans dp x ep, the experts' dp only.
 * cp: per layer, an all-gather of the keys and values (``2 g d`` per token) in forward and a reduce-scatter of their
   gradients in backward.
 * ep: per MoE layer, each rank's ``k`` routed copies of its tokens (``h`` each) go out and come back by all-to-all in
   forward and again in backward: ``4 (ep - 1) / ep x tokens x k x h`` bytes.
 * pp: activations of one microbatch sent forward and their gradients backward at each stage boundary.
-* memory per rank: parameters (sharded by tp, split by pp; experts' divided by ep), gradients, Adam's two states and
-  an fp32 master copy when ``param_bytes < 4`` (divided by dp from ZeRO-1 on, by dp x cp with cp; gradients too from
+* memory per rank: parameters (sharded by tp, split by pp; experts' divided by ep), gradients (``grad_bytes`` an
+  element: ``build``'s fp32 gradient buffers under bf16 parameters), Adam's two states and an fp32 master copy when
+  ``param_bytes < 4`` (divided by dp from ZeRO-1 on, by dp x cp with cp; gradients too from
   ZeRO-2; everything, parameters included, from ZeRO-3, plus the largest block gathered whole, twice: the one
   computing and the one prefetched), and activations (:mod:`vescale.plan.activations`: what autograd keeps per
   layer, the S^2 term of eager attention included, divided by tp, cp, and the tokens of this rank; ``pp``
@@ -36,7 +38,7 @@ from dataclasses import asdict, dataclass
 from vescale.plan.activations import ModelShape, activation_bytes
 from vescale.plan.trace import ModelTrace
 
-__all__ = ["CostEstimate", "HardwareModel", "estimate"]
+__all__ = ["CostEstimate", "HardwareModel", "estimate", "estimate_spec"]
 
 
 @dataclass(frozen=True)
@@ -105,18 +107,32 @@ def _shape_facts(trace: ModelTrace, tp_sharded: set[str]) -> tuple[float, float,
     return total, sharded, hidden
 
 
+def _dp_bytes(zero: int, ranks: int, params: float, param_bytes: int, grad_bytes: int) -> float:
+    """Ring bytes per step of the data-parallel reduction over ``ranks`` for ``params`` elements, as vescale runs
+    it: ZeRO 0 all-reduces the gradients; ZeRO 1 all-reduces them too (DDP) and all-gathers the updated parameters;
+    ZeRO 2 reduce-scatters the gradients and all-gathers the parameters; ZeRO 3 all-gathers the parameters in
+    forward and again in backward and reduce-scatters the gradients."""
+    if ranks <= 1:
+        return 0.0
+    ring = (ranks - 1) / ranks * params
+    return ring * {0: 2 * grad_bytes, 1: 2 * grad_bytes + param_bytes, 2: grad_bytes + param_bytes,
+                   3: 2 * param_bytes + grad_bytes}[zero]
+
+
 def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, tp_sharded: set[str],
              pairs: int, layers: int, batch_size: int, seq_len: int, microbatches: int | None = None,
              param_bytes: int = 4, act_bytes: int = 4, memory_budget_gb: float | None = None,
              hw: HardwareModel | None = None, sequence_parallel: bool = False,
              vocab: int = 0, cp: int = 1, ep: int = 1, shape: ModelShape | None = None,
-             largest_block: float = 0.0) -> CostEstimate:
+             largest_block: float = 0.0, grad_bytes: int = 4, state_bytes: int = 4) -> CostEstimate:
     """Estimate one step of ``trace``'s model (see the module docstring for every term).
 
     ``tp_sharded`` are the canonical parameter FQNs the tp plan shards; ``pairs`` its column/row pairs; ``layers``
     the number of blocks (for activation memory and pipeline); ``batch_size`` the global batch in sequences;
     ``shape`` the model's shape for the activation, cp and ep terms (:func:`vescale.plan.activations.model_shape`);
-    ``largest_block`` the parameter elements of the largest block (ZeRO-3 gathers one whole at a time).
+    ``largest_block`` the parameter elements of the largest block (ZeRO-3 gathers one whole at a time);
+    ``grad_bytes`` the bytes of a gradient element (``build`` keeps gradients in the spec's ``reduce_dtype``, fp32 by
+    default, whatever the parameters' dtype); ``state_bytes`` those of an Adam state element.
     """
     hw = hw or HardwareModel()
     total, sharded, hidden = _shape_facts(trace, tp_sharded)
@@ -141,12 +157,11 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
     dense_sharded = min(sharded, dense)
     params_rank = (dense - dense_sharded + dense_sharded / tp) / pp + experts / ep
     grad_ranks = dp * cp  # ranks holding the same (dense) parameters whose gradients are averaged
-    dp_factor = 3 if zero_stage == 3 else 2
-    dp_bytes = dp_factor * (grad_ranks - 1) / grad_ranks * params_rank * param_bytes if grad_ranks > 1 else 0.0
+    dp_bytes = _dp_bytes(zero_stage, grad_ranks, params_rank, param_bytes, grad_bytes)
     if ep > 1:  # dense gradients also averaged over ep (experts' over dp only)
         dense_rank = params_rank - experts / ep
-        dp_bytes = 2 * (dp * ep - 1) / (dp * ep) * dense_rank * param_bytes
-        dp_bytes += 2 * (dp - 1) / dp * experts / ep * param_bytes if dp > 1 else 0.0
+        dp_bytes = 2 * (dp * ep - 1) / (dp * ep) * dense_rank * grad_bytes
+        dp_bytes += 2 * (dp - 1) / dp * experts / ep * grad_bytes if dp > 1 else 0.0
     cp_bytes = ep_bytes = 0.0
     if cp > 1 and shape is not None:
         kv = 2 * shape.kv_heads * shape.head_dim / tp * sequences * seq_len * act_bytes  # one layer's k, v
@@ -168,8 +183,8 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
 
     shard = grad_ranks if zero_stage else 1
     weights = params_rank * param_bytes / (shard if zero_stage >= 3 else 1)
-    grads = params_rank * param_bytes / (shard if zero_stage >= 2 else 1)
-    states = params_rank * (8 + (4 if param_bytes < 4 else 0)) / (shard if zero_stage >= 1 else 1)
+    grads = params_rank * grad_bytes / (shard if zero_stage >= 2 else 1)
+    states = params_rank * (2 * state_bytes + (4 if param_bytes < 4 else 0)) / (shard if zero_stage >= 1 else 1)
     gathered = 2 * largest_block / tp * param_bytes if zero_stage >= 3 else 0.0  # computing and prefetched
     weights += gathered
     layers_rank = max(layers / pp, 1)
@@ -193,3 +208,47 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
                         activations_gb=acts / 2**30, attention_gb=attention / 2**30,
                         weights_gb=(weights - gathered) / 2**30, grads_gb=grads / 2**30, states_gb=states / 2**30,
                         gathered_gb=gathered / 2**30, microbatches=microbatches if pp > 1 else 0)
+
+
+def estimate_spec(model, spec, *, batch_size: int, seq_len: int, hw: HardwareModel | None = None,
+                  memory_budget_gb: float | None = None, trace: ModelTrace | None = None) -> CostEstimate:
+    """The cost model's estimate of one step of ``spec`` (a :class:`vescale.plan.ParallelSpec`) on ``model``: no
+    search, the given mesh, ZeRO stage, dtypes and microbatches priced as :func:`choose_parallelism` prices a
+    candidate.
+
+    ``model``: the unmodified model, best on the meta device (traced, never run); ``batch_size`` global sequences of
+    ``seq_len`` tokens. The tp-sharded parameters are :func:`vescale.plan.auto_plan`'s for the spec's tp (a named or
+    hand-written plan is priced as the auto plan); activation checkpointing and gradient accumulation are not priced
+    (the estimate is of one whole-batch forward and backward). Pure: no process group needed.
+    """
+    from vescale.plan.activations import model_shape
+    from vescale.plan.auto_plan import plan_from_trace
+    from vescale.plan.dry_run import meta_scalars
+    from vescale.plan.pipeline import _blocks
+    from vescale.plan.trace import trace_model
+
+    if trace is None:
+        with meta_scalars():  # transformers' models read values back (e.g. a packed-sequence test) while traced
+            trace = trace_model(model)
+    dims = {n: spec.size(n) for n in ("pp", "dp", "cp", "ep", "tp")}
+    tp = dims["tp"]
+    sharded: set[str] = set()
+    rows = heads = 0
+    if tp > 1:
+        plan = plan_from_trace(trace, ["tp"], {"tp": tp}, sequence_parallel=spec.sequence_parallel)
+        params = [d for d in plan.decisions if d.kind == "parameter"]
+        sharded = {d.fqn for d in params if d.role != "replicated"}
+        rows = sum(1 for d in params if d.role == "row")
+        heads = sum(1 for d in params if d.role == "head")
+    _, blocks = _blocks(model)
+    block_sizes = [sum(math.prod(s) for f, s in trace.shapes.items() if f.startswith(b + ".")) for b in blocks]
+    vocab = next((trace.shapes[e.param][0] for e in trace.events if e.kind == "embedding"), 0)
+    nbytes = {"fp32": 4, "bf16": 2}
+    return estimate(trace, pp=dims["pp"], dp=dims["dp"], tp=tp, cp=dims["cp"], ep=dims["ep"], zero_stage=spec.zero,
+                    tp_sharded=sharded, pairs=rows, layers=len(blocks), batch_size=batch_size, seq_len=seq_len,
+                    microbatches=spec.pipeline_microbatches if dims["pp"] > 1 else None,
+                    param_bytes=nbytes[spec.dtype], act_bytes=nbytes[spec.dtype],
+                    grad_bytes=nbytes[spec.reduce_dtype], state_bytes=nbytes[spec.optimizer_state_dtype],
+                    memory_budget_gb=memory_budget_gb, hw=hw, sequence_parallel=spec.sequence_parallel,
+                    vocab=vocab if heads else 0, shape=model_shape(model, trace),
+                    largest_block=float(max(block_sizes, default=0)))

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from vescale.plan.spec import ParallelSpec
 
-__all__ = ["DryRunReport", "dry_run", "meta_scalars"]
+__all__ = ["DryRunReport", "dry_run", "meta_scalars", "rank_bytes"]
 
 _SCALAR_READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
 
@@ -148,6 +148,15 @@ def _optimizer_bytes(opt) -> int:
         return total + int(opt.master_bytes()) if hasattr(opt, "master_bytes") else total
     return _nbytes(v for state in opt.state.values() for v in state.values()
                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def rank_bytes(par, optimizer) -> dict[str, int]:
+    """This rank's exact ``parameters``, ``gradients`` and ``optimizer`` bytes of a built job (``par``: what
+    :func:`vescale.plan.build` returned; ``optimizer``: its ``make_optimizer``'s, after a step so that its state
+    exists), counted from the live tensors: DTensor local shards, DDP's flat gradient buffers (ZeRO 2: their
+    shards), the optimizer's states and fp32 masters. No collective."""
+    held = [p for m in par.modules for p in m.parameters()]
+    return {"parameters": _nbytes(held), "gradients": _grad_bytes(par), "optimizer": _optimizer_bytes(optimizer)}
 
 
 @contextlib.contextmanager
