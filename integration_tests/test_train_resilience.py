@@ -1,8 +1,9 @@
 """``tools/train.py`` survives what long runs meet: a preemption signal to one rank (every rank stops at the same step,
 checkpointed, exit 0; the resume continues the uninterrupted curve), ``--resume auto`` past an incomplete and a
 damaged checkpoint, bad steps (skipped, then a named error after a checkpoint of the last good state), and
-``--tensorboard`` (events read back). Tiny model, markov data, few steps; one real launch (the exit code), the other
-runs on the pooled ranks."""
+``--tensorboard`` (events read back), a checkpoint write failing on one rank (``--on-save-error continue``), a slow
+rank named, a kill during an async save (the previous checkpoint resumes). Faults come from ``VESCALE_TRAIN_FAULTS``
+(``tools/faults.py``). Tiny model, markov data, few steps; real launches only where a process must die or exit."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from vescale.core.errors import RankError
-from vescale.core.testing import run_on_ranks
+from vescale.core.testing import run_on_ranks, spawn_on_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -137,6 +138,12 @@ def test_bad_steps_are_skipped_then_stop_with_a_checkpoint_of_the_last_good_stat
     for key in first:  # the skipped steps changed no weight and no optimizer state
         assert torch.equal(first[key], skipped[key]) and torch.equal(first[key], last_good[key]), key
 
+    # resumed: the count goes on from the checkpoint's 2 (steps 4 and 5 are bad too: the weights are blown up)
+    resumed = config.parse_args([*COMMON, "--steps", "5", "--lr", "1e30", "--warmup", "0", "--max-bad-steps", "5",
+                                 "--quiet", "--out", str(out), "--resume", str(out / "ckpt" / "step_3")], "")
+    summary = run_on_ranks(train.train, 2, resumed)[0]
+    assert [r["skipped"] for r in _records(out)][-2:] == [3, 4] and summary["skipped_steps"] == 4
+
 
 def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_the_uninterrupted_one(tmp_path):
     """Two torchrun agents on loopback (one rank each, c10d rendezvous, ``--max-restarts 3``), ``--resume auto``
@@ -194,3 +201,61 @@ def test_refusals_name_the_flag_or_the_missing_package(monkeypatch):
     for part in ("--tensorboard needs the tensorboard package", "--preempt-signal: unknown signal 'SIGNOPE'",
                  "--max-bad-steps -1 must be at least 0"):
         assert part in str(refused.value), str(refused.value)
+
+
+def test_save_failing_on_one_rank_goes_on_with_continue_and_a_slow_rank_is_named(tmp_path, monkeypatch):
+    """Rank 1's disk is full for checkpoint ``step_2`` and rank 1 sleeps 0.2 s a step: with ``--on-save-error
+    continue`` the run warns and trains on (``step_2`` uncommitted, ``step_4``/``step_6`` complete, one save error in
+    summary.json); the per-rank table shows rank 1 busy and rank 0 waiting in collectives, and names rank 1 slow."""
+    from faults import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "save_error=1@2,slow=1:0.2")
+    out = tmp_path / "run"
+    with spawn_on_pool():
+        summary = train.main([*COMMON, "--steps", "6", "--ckpt-every", "2", "--on-save-error", "continue", "--quiet",
+                              "--out", str(out)])
+    assert summary["save_errors"] == 1 and len(_records(out)) == 6
+    assert not (out / "ckpt" / "step_2" / "metadata.json").exists()
+    assert [p.name for p in resilience.checkpoints_newest_first(out)] == ["step_6", "step_4", "step_2"]
+    said = []
+    auto = config.parse_args([*COMMON, "--resume", "auto", "--out", str(out)], "")
+    resilience.auto_resume(auto, said.append)
+    assert auto.resume == str((out / "ckpt" / "step_6").resolve()), said
+    fast, slow = summary["ranks"]
+    assert slow["busy_s"]["p50"] >= 0.2 > fast["busy_s"]["p50"], summary["ranks"]
+    assert fast["collective_wait_s"]["p50"] >= 0.1 > slow["collective_wait_s"]["p50"], summary["ranks"]
+    assert summary["slow_ranks"] == [1]
+    assert all(r["step_s"]["p50"] <= r["step_s"]["p90"] <= r["step_s"]["max"] for r in summary["ranks"])
+
+
+def test_kill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path):
+    """SIGKILL to the whole job while every rank's async save of ``step_4`` is writing (``save_stall=4``: the data
+    files are written, the save then blocks): ``--resume auto`` skips the uncommitted ``step_4``, naming it, and the
+    resumed run loads ``step_2`` and finishes."""
+    from faults import ENV_VAR
+
+    out = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, str(ROOT / "tools" / "train.py"), *COMMON, "--steps", "8",
+                            "--ckpt-every", "2", "--quiet", "--out", str(out)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                           env={**os.environ, ENV_VAR: "save_stall=4"})
+    try:
+        deadline = time.monotonic() + 600
+        while not any((out / "ckpt" / "step_4").glob("data-*.safetensors")):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+            time.sleep(0.02)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert not (out / "ckpt" / "step_4" / "metadata.json").exists()
+    said = []
+    auto = config.parse_args([*COMMON, "--steps", "8", "--ckpt-every", "2", "--quiet", "--resume", "auto",
+                              "--out", str(out)], "")
+    resilience.auto_resume(auto, said.append)
+    assert auto.resume == str((out / "ckpt" / "step_2").resolve()), said
+    assert any("step_4: incomplete" in line for line in said), said
+    summary = run_on_ranks(train.train, 2, auto)[0]
+    assert summary["steps"] == 8 and _records(out)[-1]["step"] == 8
+    assert (out / "ckpt" / "step_8" / "metadata.json").exists()

@@ -1,12 +1,19 @@
 """What lets ``tools/train.py`` survive what long runs meet: ``--resume auto`` (the newest complete checkpoint under
 ``--out``), bad steps (skipped on every rank by ``vescale.parallel.StepGuard``; a checkpoint of the last good state
-before giving up) and preemption (``vescale.core.PreemptionGuard``: a signal to any rank, a checkpoint, exit 0)."""
+before giving up), preemption (``vescale.core.PreemptionGuard``: a signal to any rank, a checkpoint, exit 0; its flag
+agreed in the guard's all-reduce, one small collective a step for both), failed saves (``--on-save-error``) and slow
+ranks (each step's collective waits, ``rank_times``)."""
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+from faults import ENV_VAR, Faults
+from rank_times import CollectiveWaitClock
 
 __all__ = ["Resilience", "auto_resume", "checkpoints_newest_first"]
 
@@ -43,18 +50,46 @@ def auto_resume(cfg, say: Callable[[str], None]) -> None:
 
 
 class Resilience:
-    """The loop's side on this rank: saves (async, one in flight), the bad-step count of ``par.step_guard`` and the
-    preemption agreement. ``progress(n)`` is what a checkpoint after ``n`` steps records (step, data position)."""
+    """The loop's side on this rank: saves (async, one in flight), the bad-step count of ``par.step_guard`` (carried
+    across a resume in the checkpoint's progress record), the preemption agreement (in the guard's all-reduce), the
+    collective-wait clock and the faults of ``VESCALE_TRAIN_FAULTS`` (``faults.py``). ``progress(n)`` is what a
+    checkpoint after ``n`` steps records (step, data position; ``skipped`` is added). ``release()`` (in a ``finally``)
+    puts back the signal handlers and patches, whatever the loop raised."""
 
-    def __init__(self, cfg, par, optimizer, state: dict, progress: Callable[[int], dict], out: Path) -> None:
+    def __init__(self, cfg, par, optimizer, state: dict, progress: Callable[[int], dict], out: Path,
+                 log: Callable[[str], None] = print, rank: int = 0) -> None:
         from vescale.core import PreemptionGuard
 
         self.optimizer, self.state, self.progress, self.out, self.par = optimizer, state, progress, out, par
+        self.log, self.on_save_error, self.save_errors = log, cfg.on_save_error, 0
         self.guard = par.step_guard  # make_optimizer(skip_nonfinite=True)'s: the loss and gradients checked
         if self.guard is None:
             raise ValueError("Resilience needs the optimizer of par.make_optimizer(..., skip_nonfinite=True)")
+        self.faults = Faults(os.environ.get(ENV_VAR), rank)  # parsed before anything is patched
         self.preempt = PreemptionGuard(["SIGTERM"] + ([cfg.preempt_signal] if cfg.preempt_signal else [])).__enter__()
+        self.guard.carry(self.preempt)  # the stop flag rides on the bad-step all-reduce: one collective a step
+        self.faults.__enter__()
+        self.clock = CollectiveWaitClock().__enter__()
         self.pending, self.saved_at = None, None
+        self.step_s: list[float] = []
+        self.wait_s: list[float] = []
+        self._t0 = 0.0
+
+    def resumed(self, progress: dict) -> None:
+        """Take the bad-step count of the checkpoint's ``progress`` record (the run's total goes on from it)."""
+        self.guard.skipped = int(progress.get("skipped", 0))
+
+    def begin_step(self, step: int) -> None:
+        self.clock.take()
+        self._t0 = time.perf_counter()
+        self.faults.before_step(step)  # a straggler's sleep is part of its step
+
+    def end_step(self) -> float:
+        """This step's seconds (since :meth:`begin_step`); its collective waits are kept for the per-rank table."""
+        dt = time.perf_counter() - self._t0
+        self.step_s.append(dt)
+        self.wait_s.append(self.clock.take())
+        return dt
 
     def save(self, steps: int, *, wait: bool = False) -> None:
         """Checkpoint ``<out>/ckpt/step_<steps>`` (async; the previous save finished first). Collective."""
@@ -63,16 +98,28 @@ class Resilience:
         self.finish()
         if self.saved_at == steps:
             return
-        self.pending = checkpoint.save(self.out / "ckpt" / f"step_{steps}", {**self.state,
-                                       "progress": self.progress(steps)}, async_save=True)
+        self.pending = checkpoint.save(self.out / "ckpt" / f"step_{steps}", {**self.state, "progress": {
+            **self.progress(steps), "skipped": self.guard.skipped}}, async_save=True)
         self.saved_at = steps
         if wait:
-            self.finish()
+            self.finish(final=True)
 
-    def finish(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+    def finish(self, *, final: bool = False) -> None:
+        """Wait for the save in flight. One that failed on some rank (every rank gets the same error, naming the
+        file) raises with ``--on-save-error stop`` or when ``final`` (the save a stop waits for); else warns."""
+        from vescale.checkpoint import CheckpointError
+
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        try:
+            pending.wait()
+        except CheckpointError as exc:
+            self.save_errors += 1
+            if self.on_save_error == "stop" or final:
+                raise
+            self.log(f"WARNING: checkpoint {pending.path} failed, training goes on (--on-save-error continue); "
+                     f"the newest complete checkpoint is the one before it. {str(exc).splitlines()[0]}")
 
     def step(self, step: int) -> None:
         """``optimizer.step()``; when it gives up on bad steps, first a checkpoint of the last good state (the
@@ -83,7 +130,6 @@ class Resilience:
             self.optimizer.step()
         except NonFiniteStepError as exc:
             self.save(step + 1, wait=True)
-            self.preempt.__exit__(None, None, None)  # the signal handlers back as they were (a pooled rank lives on)
             raise NonFiniteStepError(f"step {step + 1}: {exc}; last good state saved in "
                                      f"{self.out / 'ckpt' / f'step_{step + 1}'}") from None
 
@@ -106,7 +152,16 @@ class Resilience:
         self.save(step + 1, wait=True)
         return True
 
-    def close(self) -> None:
-        self.finish()
+    def release(self) -> None:
+        """The signal handlers, the fault patches and the clock's patches back as they were (idempotent)."""
+        self.clock.__exit__(None, None, None)
+        self.faults.__exit__(None, None, None)
         self.preempt.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Finish the save in flight (``--on-save-error`` applies), then :meth:`release`."""
+        try:
+            self.finish()
+        finally:
+            self.release()
 

@@ -46,6 +46,7 @@ if TOOLS not in sys.path:  # config, models, data and report live next to this f
     sys.path.insert(0, TOOLS)
 import lora  # noqa: E402
 import models  # noqa: E402
+import rank_times  # noqa: E402
 from config import TrainConfig, check_fits, lr_at, parallel_spec, parse_args, prepare_out  # noqa: E402
 from data import DataError, open_data, resume_offset, step_rows  # noqa: E402
 from evaluate import TextMonitor  # noqa: E402
@@ -158,6 +159,8 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     start, offset = 0, 0  # offset: data position (sequences) minus step x batch size, from a resumed checkpoint
     if cfg.resume:
         progress = {"step": 0, "sequences": 0, "data": ""}
+        if any(k.startswith("progress") and k.endswith("skipped") for k in checkpoint.inspect(cfg.resume)["values"]):
+            progress["skipped"] = 0  # the run's bad steps so far (checkpoints written before it was kept lack it)
         checkpoint.load(cfg.resume, {**trainer.state, "progress": progress})
         start = int(progress["step"])
         offset, note = resume_offset(progress, corpus, cfg.batch_size)
@@ -169,46 +172,54 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     run_log = RunLog(out, cfg.steps, start, active=rank == 0, append=bool(cfg.resume), quiet=cfg.quiet,
                      tensorboard=cfg.tensorboard)
     res = Resilience(cfg, par, optimizer, trainer.state, out=out, progress=lambda n: {  # saves, bad steps, signals
-        "step": n, "data": corpus.fingerprint, "sequences": offset + n * cfg.batch_size})
+        "step": n, "data": corpus.fingerprint, "sequences": offset + n * cfg.batch_size},
+        log=lambda m: log(cfg, m), rank=rank)
+    if cfg.resume:
+        res.resumed(progress)  # the bad steps of the run so far
     window = TimelineWindow(mesh, start, cfg.steps, cfg.trace_steps, out / "timeline.json")
     tokens_per_step, t_start = cfg.batch_size * cfg.seq_len, time.perf_counter()
     comm_step, comms = min(start + 1, cfg.steps - 1), None  # collectives counted on one warm step
-    for step in range(start, cfg.steps):
-        window.before(step)
-        t0 = time.perf_counter()
-        inputs, targets, trained = step_rows(corpus.batch(step, cfg.batch_size, cfg.seq_len, offset))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        optimizer.zero_grad(set_to_none=True)
-        with count_comms(mesh) if step == comm_step and mesh is not None else contextlib.nullcontext() as counter:
-            loss = par.forward_backward(par.shard_batch(inputs).to(device), par.shard_batch(targets).to(device),
-                                        num_tokens=trained)  # one device's mean over the trained tokens
-            if cfg.grad_dump and step == start:  # before clipping and the update: the raw gradient of the batch
-                at = mesh_coordinates(mesh) if mesh is not None else {}  # one copy of each: the replicas' first
-                dump_grads(par.grads(), cfg.grad_dump, keep=all(at.get(d, 0) == 0 for d in ("dp", "cp", "tp")))
-            res.step(step)  # skipped on every rank when some rank's loss or gradient is not finite
-        if counter is not None:
-            comms = counter.summary()
-        loss = par.global_loss(loss)  # the global batch's mean, as one device computes it
-        dt = time.perf_counter() - t0
-        window.after(step)
-        run_log.step(step, {"step": step + 1, "loss": float(loss), "lr": lr_at(step, cfg), "step_s": dt,
-                            "tokens_per_s": tokens_per_step / dt, **res.metrics(), **monitor.after_step(step)})
-        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
-            res.save(step + 1)
-        if res.should_stop(step):  # a preemption signal reached some rank: every rank stops here, checkpointed
-            log(cfg, f"preempted ({res.preempt.received or 'another rank'}): stopped after step {step + 1}, "
-                f"checkpoint {out / 'ckpt' / f'step_{step + 1}'}")
-            break
+    try:  # the signal handlers and patches go back even when the loop raises (a pooled rank lives on)
+        for step in range(start, cfg.steps):
+            window.before(step)
+            res.begin_step(step)
+            inputs, targets, trained = step_rows(corpus.batch(step, cfg.batch_size, cfg.seq_len, offset))
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            optimizer.zero_grad(set_to_none=True)
+            with count_comms(mesh) if step == comm_step and mesh is not None else contextlib.nullcontext() as counter:
+                loss = par.forward_backward(par.shard_batch(inputs).to(device), par.shard_batch(targets).to(device),
+                                            num_tokens=trained)  # one device's mean over the trained tokens
+                if cfg.grad_dump and step == start:  # before clipping and the update: the raw gradient of the batch
+                    at = mesh_coordinates(mesh) if mesh is not None else {}  # one copy of each: the replicas' first
+                    dump_grads(par.grads(), cfg.grad_dump, keep=all(at.get(d, 0) == 0 for d in ("dp", "cp", "tp")))
+                res.step(step)  # skipped on every rank when some rank's loss or gradient is not finite
+            if counter is not None:
+                comms = counter.summary()
+            loss = par.global_loss(loss)  # the global batch's mean, as one device computes it
+            dt = res.end_step()
+            window.after(step)
+            run_log.step(step, {"step": step + 1, "loss": float(loss), "lr": lr_at(step, cfg), "step_s": dt,
+                                "tokens_per_s": tokens_per_step / dt, **res.metrics(), **monitor.after_step(step)})
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
+                res.save(step + 1)
+            if res.should_stop(step):  # a preemption signal reached some rank: every rank stops here, checkpointed
+                log(cfg, f"preempted ({res.preempt.received or 'another rank'}): stopped after step {step + 1}, "
+                    f"checkpoint {out / 'ckpt' / f'step_{step + 1}'}")
+                break
+    finally:
+        res.release()
     res.close()
     wall = time.perf_counter() - t_start
     if not cfg.quiet and cfg.steps > start and roles.cp.size == 1:  # what the model learned, in text (real data)
         monitor.sample(cfg.steps - 1)
     if cfg.export_hf:
         lora.export(cfg, par.held, out, log=lambda m: log(cfg, m))
-    per_rank = gather_per_rank([peak_memory_mb(), trainer.init_s, trainer.init_bytes], device)
+    per_rank = gather_per_rank([peak_memory_mb(), trainer.init_s, trainer.init_bytes,
+                                *rank_times.rank_row(res.step_s, res.wait_s)], device)
     if rank != 0:
         return {}
+    ranks, slow = rank_table(per_rank[:, 3:], cfg, out)
     losses = [r["loss"] for r in run_log.records]
     tokens_per_s = tokens_per_step * max(1, len(run_log.records)) / wall  # (fewer than asked when preempted)
     tflops = trainer.flops_per_token * tokens_per_s / 1e12
@@ -226,7 +237,25 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         else None, "model_flops_per_token": trainer.flops_per_token, "model_tflops": tflops,
         "mfu": tflops / (dist.get_world_size() * cfg.peak_tflops) if cfg.peak_tflops else None,
         "export_hf": cfg.export_hf, "skipped_steps": res.guard.skipped, "preempted": res.preempt.stopping,
+        "save_errors": res.save_errors, "ranks": ranks, "slow_ranks": slow,
     }, corpus.entropy())
+
+
+def rank_table(rows: torch.Tensor, cfg: TrainConfig, out: Path) -> tuple[list[dict], list[int]]:
+    """Rank 0: every rank's step times and collective waits (``rank_times``) as summary.json and timeline.json
+    (``otherData.ranks``) report them, and the ranks ``--slow-rank`` names (warned about here)."""
+    table = rank_times.per_rank_table(rows)
+    slow = rank_times.slow_ranks(table, cfg.slow_rank)
+    if slow:
+        busy = {r["rank"]: round(r["busy_s"]["p50"] * 1e3, 1) for r in table}
+        log(cfg, f"WARNING: slow rank(s) {slow}: median busy step time (less collective waits) at least "
+            f"{cfg.slow_rank}x the median rank's; busy ms per rank {busy}")
+    trace = out / "timeline.json"
+    if trace.is_file():
+        data = json.loads(trace.read_text())
+        data.setdefault("otherData", {})["ranks"] = table
+        trace.write_text(json.dumps(data))
+    return table, slow
 
 
 def main(argv: list[str] | None = None) -> dict:
