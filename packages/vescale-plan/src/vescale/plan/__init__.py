@@ -35,6 +35,7 @@ _WHERE = {
     "PipelineSplit": "pipeline", "build_pipeline": "pipeline", "pipeline_split": "pipeline",
     "ParallelSpec": "spec", "SpecError": "spec",
     "ModelTrace": "trace", "trace_model": "trace",
+    "IGNORE_INDEX": "token_mean", "token_scale": "token_mean", "token_sum": "token_mean",
     "PairCheck": "verify", "verify_pairs": "verify",
 }
 
@@ -45,7 +46,7 @@ __all__ = ["auto_plan", "AutoPlan", "Decision", "plan_from_trace", "explain", "a
            "verify_pairs", "PairCheck", "from_transformers_tp_plan", "explain_choice", "ModelShape", "model_shape",
            "ActivationBytes", "activation_bytes", "ParallelSpec", "SpecError", "build", "Parallelized", "apply_tp",
            "apply_ep", "apply_pp", "apply_dp", "resolve_tp_plan", "dry_run", "DryRunReport",
-           "document_inputs", "document_positions", "documents_from_eos"]
+           "document_inputs", "document_positions", "documents_from_eos", "IGNORE_INDEX", "token_scale", "token_sum"]
 
 
 def __getattr__(name: str):
