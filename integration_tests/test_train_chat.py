@@ -155,22 +155,29 @@ def test_mixed_sources_draw_by_weight_and_resume_each_source_exactly(chat, tmp_p
     finally:
         os.environ.pop("VESCALE_CACHE")
     assert isinstance(mixed, data_mod.MixedData) and mixed.fingerprint == again.fingerprint
-    # Row k is source s's next row: replay the draws and check every row against that source's own stream.
-    seen = [0, 0]
-    for step in range(6):
-        batch = mixed.batch(step, 8, 32)
-        for r in range(8):
-            s, j = mixed.position(step * 8 + r)
-            assert j == seen[s]
-            seen[s] += 1
-            assert batch[r].tolist() == mixed.sources[s].run_row(j).tolist()
-        assert torch.equal(batch, again.batch(step, 8, 32))  # deterministic from the seed
-    assert mixed.positions(48) == seen
+    small = data_mod.MixedData(mixed.sources, [0.75, 0.25], seed=0)
+    small.BLOCK = 5  # the same rules across many blocks of draws
+    for mix, other in ((mixed, again), (small, None)):
+        # Row k is source s's next row: replay the draws and check every row against that source's own stream.
+        seen = [0, 0]
+        for step in range(6):
+            batch = mix.batch(step, 8, 32)
+            for r in range(8):
+                s, j = mix.position(step * 8 + r)
+                assert j == seen[s]
+                seen[s] += 1
+                assert batch[r].tolist() == mix.sources[s].run_row(j).tolist()
+                assert mix.positions(step * 8 + r + 1) == seen
+            if other is not None:
+                assert torch.equal(batch, other.batch(step, 8, 32))  # deterministic from the seed
     counts = np.bincount([mixed.position(k)[0] for k in range(4000)], minlength=2)
     assert abs(counts[0] / 4000 - 0.75) < 0.03
     # A run resumed with another batch size (offset from the checkpoint's progress) continues every source.
-    offset, _ = data_mod.resume_offset({"step": 3, "sequences": 24, "data": mixed.fingerprint}, mixed, 4)
+    offset, note = data_mod.resume_offset({"step": 3, "sequences": 24, "data": mixed.fingerprint}, mixed, 4)
     assert offset == 12
+    a, b = mixed.positions(24)
+    assert a + b == 24 and note.endswith(f"mixed sources continue: {mixed.sources[0].fingerprint} after row {a}, "
+                                         f"{mixed.sources[1].fingerprint} after row {b}")
     assert torch.equal(mixed.batch(3, 4, 32, offset), mixed.batch(3, 8, 32)[:4])
     assert torch.equal(mixed.batch(4, 4, 32, offset), mixed.batch(3, 8, 32)[4:])
 

@@ -208,20 +208,27 @@ class MixedData:
         self.vocab_size, self.eos_id, self.tokenizer_dir = first.vocab_size, first.eos_id, first.tokenizer_dir
         self.seq_len = first.seq_len
         self.fingerprint = "mix-" + ",".join(f"{s.fingerprint}:{w:.6g}" for s, w in zip(sources, weights))
-        self._blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (choices, counts before the block) per block
+        self._before: list[torch.Tensor] = []  # per block: each source's rows before it (choices are redrawn)
+        self._last: tuple[int, torch.Tensor] = (-1, torch.empty(0, dtype=torch.long))
 
     def entropy(self) -> None:
         return None
 
+    def _choices(self, b: int) -> torch.Tensor:
+        """The sources of block ``b``'s rows: a function of ``(seed, b)``."""
+        if self._last[0] != b:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * b + 17)
+            self._last = (b, torch.multinomial(self.weights, self.BLOCK, replacement=True, generator=g))
+        return self._last[1]
+
     def _block(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        while len(self._blocks) <= b:
-            n = len(self._blocks)
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * n + 17)
-            choices = torch.multinomial(self.weights, self.BLOCK, replacement=True, generator=g)
-            before = (torch.zeros(len(self.sources), dtype=torch.long) if n == 0 else
-                      self._blocks[-1][1] + torch.bincount(self._blocks[-1][0], minlength=len(self.sources)))
-            self._blocks.append((choices, before))
-        return self._blocks[b]
+        """Block ``b``'s choices and each source's rows before it (counts kept, choices redrawn: O(sources) memory
+        per block, so a resume after many rows draws the blocks once and keeps little)."""
+        while len(self._before) <= b:
+            n = len(self._before)
+            self._before.append(torch.zeros(len(self.sources), dtype=torch.long) if n == 0 else
+                                self._before[-1] + torch.bincount(self._choices(n - 1), minlength=len(self.sources)))
+        return self._choices(b), self._before[b]
 
     def position(self, k: int) -> tuple[int, int]:
         """``(source, its row)`` of row ``k`` of the run."""
@@ -308,4 +315,7 @@ def resume_offset(progress: dict, data: MarkovCorpus | TokenData, batch_size: in
     offset = seen - step * batch_size
     note = None if offset == 0 else (f"resumed with --batch-size {batch_size} after {seen} sequences "
                                      f"(step {step}): continuing after them")
+    if isinstance(data, MixedData):  # every source's position follows from the mixed stream's row count
+        where = ", ".join(f"{s.fingerprint} after row {n}" for s, n in zip(data.sources, data.positions(seen)))
+        note = (f"{note}; " if note else "") + f"mixed sources continue: {where}"
     return offset, note
