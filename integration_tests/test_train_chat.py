@@ -238,3 +238,29 @@ def _in_cache(cache: str, cfg) -> dict:
         return train.train(cfg)
     finally:
         os.environ.pop("VESCALE_CACHE", None)
+
+
+def test_generate_chat_formats_prompts_with_the_template(chat, tmp_path):
+    """``tools/generate.py --chat``: each prompt a user turn, the assistant turn opened; refused without a template."""
+    import shutil
+
+    import generate
+    import transformers as tf
+
+    model_dir = tmp_path / "model"
+    tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(chat["tok"] / name, model_dir / name)
+    prompts = ["the cat sat", "a big red sun over the river"]
+    cfg = generate.parse_args(["--model", str(model_dir), "--chat", *[a for p in prompts for a in ("--prompt", p)]])
+    ids, mask = generate.encode(cfg, tf.AutoConfig.from_pretrained(model_dir),
+                                tf.AutoTokenizer.from_pretrained(model_dir))
+    for row, keep, prompt in zip(ids.tolist(), mask.tolist(), prompts):
+        want = _reference(chat["tok"], [{"role": "user", "content": prompt}])[0] + \
+            _reference(chat["tok"], [{"role": "assistant", "content": ""}])[0][:1]
+        assert [t for t, k in zip(row, keep) if k] == want and keep[-len(want):] == [1] * len(want)
+    plain = _tokenizer(tmp_path / "plain", template=None)
+    shutil.copy(plain / "tokenizer_config.json", model_dir / "tokenizer_config.json")
+    with pytest.raises(SystemExit, match="has no chat template"):
+        generate.main(["--model", str(model_dir), "--mesh", "tp=1", "--chat", "--prompt", "hello"])

@@ -74,6 +74,7 @@ class GenerateConfig:
     plan: str = "hand"
     dtype: str = "float32"
     quiet: bool = False
+    chat: bool = False  # each --prompt a user turn of the tokenizer's chat template, its assistant turn opened
     dims: dict = field(default_factory=dict)
 
 
@@ -104,6 +105,8 @@ def parse_args(argv: list[str] | None) -> GenerateConfig:
                    help="hand: vescale.parallel.PLANS by model_type (auto_plan for other families); auto: auto_plan")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quiet", action="store_true", help="no streaming and no completions; only the JSON summary")
+    p.add_argument("--chat", action="store_true",
+                   help="format each --prompt as a user turn of the tokenizer's chat template (a chat fine-tune)")
     cfg = GenerateConfig(**vars(p.parse_args(argv)))
     cfg.static_cache = cfg.static_cache or cfg.compile  # a compiled decode step needs a static (fixed-shape) cache
     try:
@@ -145,6 +148,13 @@ def check(cfg: GenerateConfig) -> None:
         problems.append(f"{n} prompts do not split into dp={dp} equal groups")
     if cfg.prompt and not has_tokenizer(src):
         problems.append(f"--model {cfg.model} has no tokenizer: give prompts as --token-ids 1,2,3")
+    elif cfg.chat and not cfg.prompt:
+        problems.append("--chat formats --prompt text with the chat template; give --prompt")
+    elif cfg.chat:
+        from transformers import AutoTokenizer
+
+        if not getattr(AutoTokenizer.from_pretrained(src), "chat_template", None):
+            problems.append(f"--chat: the tokenizer of --model {cfg.model} has no chat template")
     for ids in cfg.token_ids:
         try:
             bad = [t for t in map(int, ids.split(",")) if not 0 <= t < config.vocab_size]
@@ -173,7 +183,11 @@ def encode(cfg: GenerateConfig, config, tokenizer) -> tuple[torch.Tensor, torch.
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
-        batch = tokenizer(cfg.prompt, return_tensors="pt", padding=True)
+        texts = cfg.prompt
+        if cfg.chat:  # the template writes its own special tokens (BOS included)
+            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                   add_generation_prompt=True) for p in cfg.prompt]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not cfg.chat)
         return batch["input_ids"], batch["attention_mask"]
     rows = [[int(t) for t in ids.split(",")] for ids in cfg.token_ids]
     width = max(map(len, rows))
