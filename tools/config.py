@@ -15,7 +15,7 @@ from vescale.core.mesh import CANONICAL_DIM_ORDER, parse_mesh_spec
 from vescale.plan.spec import DTYPES, ParallelSpec, SpecError
 
 __all__ = ["INITS", "LR_SCHEDULES", "RUN_OUTPUTS", "TrainConfig", "check_fits", "lr_at", "parallel_spec", "parse_args",
-           "prepare_out"]
+           "prepare_out", "uses_document_mask"]
 
 INITS = ("deferred", "eager")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -61,6 +61,7 @@ class TrainConfig:
     data_field: str = "text"  # the text field of .jsonl records
     chat: bool = False  # --data FILE.jsonl holds conversations: chat template, assistant tokens trained (chat_data.py)
     chat_field: str = "messages"  # the conversation field (a list of {role, content}) of --chat records
+    document_mask: bool = True  # packed real text: attend within each EOS-delimited document (off: markov, --chat)
     heldout: float = 0.02  # fraction of the documents held out (--eval-every, the sample prompt)
     eval_every: int = 0  # held-out loss every N steps and at the last (0: off)
     sample_every: int = 0  # print generations every N steps (0: only at the end of a run on real text)
@@ -93,7 +94,15 @@ def parallel_spec(cfg: TrainConfig) -> ParallelSpec:
     """The ``vescale.plan.ParallelSpec`` of ``cfg``'s parallelism flags (the tp plan: ``cfg.tp_plan``, else the
     model family's hand plan, else ``auto``)."""
     fields = {spec_name: getattr(cfg, name) for name, spec_name in SPEC_FIELDS.items()}
-    return ParallelSpec(**fields, tp_plan=cfg.tp_plan or models.plan_family(cfg.model))
+    return ParallelSpec(**fields, tp_plan=cfg.tp_plan or models.plan_family(cfg.model),
+                        document_mask=uses_document_mask(cfg))
+
+
+def uses_document_mask(cfg: TrainConfig) -> bool:
+    """Whether the run masks attention per document: ``--document-mask`` (the default) on packed real text, whose
+    documents are delimited by the tokenizer's EOS; the synthetic Markov corpus has no documents, and ``--chat``
+    rows are one conversation each."""
+    return cfg.document_mask and cfg.data != "markov" and not cfg.chat
 
 
 #: What a run writes into ``--out`` (``collectives-rank*.json`` and ``flight-recorder-rank*`` too, after a hang)
@@ -308,6 +317,10 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--chat", action="store_true",
                    help="--data FILE.jsonl holds conversations, formatted by the tokenizer's chat template; only\n"
                         "the assistant's tokens are trained (one conversation per row, padded)")
+    p.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=d.document_mask,
+                   help="packed real text: each token attends only within its own document (EOS-delimited),\n"
+                        "positions restarting per document, as Llama 3 pretrained (default on; --no-document-mask:\n"
+                        "attend across the whole packed row)")
     p.add_argument("--chat-field", default=d.chat_field,
                    help="the conversation field of --chat records (a list of {role, content})")
     p.add_argument("--heldout", type=float, default=d.heldout, help="fraction of documents held out")

@@ -89,22 +89,28 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return self.wo(self.causal_attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
+        return self.wo(self.causal_attention(q, k, v, documents).transpose(1, 2).reshape(b, t, -1))
 
-    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[B, H, T, D]``: causal self-attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, T, D]``. The hook
-        ``vescale.parallel.context_parallel`` replaces on each instance to attend across a cp-sharded sequence."""
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, H, T, D]``: causal self-attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, T, D]``; with
+        ``documents`` (int ``[B or 1, T]``, the document id of every position) a query attends only to the keys of
+        its own document (a block-diagonal causal mask). The hook ``vescale.parallel.context_parallel`` replaces on
+        each instance to attend across a cp-sharded sequence (it then receives the whole rows' ``documents``)."""
         t = q.shape[2]
         if self.n_head > self.n_kv_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        att = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        if documents is not None:  # [B or 1, 1, T, T]: the same document, causally
+            allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
+        att = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         return att @ v
 
 
@@ -131,8 +137,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -158,20 +165,25 @@ class GPT(nn.Module):
                 std = cfg.init_std / math.sqrt(2 * cfg.n_layer) if id(module) in residual else cfg.init_std
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: the global positions of the tokens (int ``[T]``, default ``0 .. T-1``), for the rotary
-        tables; context parallelism passes each rank's (``vescale.parallel.context_parallel``)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the positions of the tokens for the rotary tables (int ``[T]``, or ``[B, T]`` per row, e.g.
+        restarting at each packed document; default ``0 .. T-1``); context parallelism passes each rank's
+        (``vescale.parallel.context_parallel``). ``documents``: int ``[B or 1, T]``, the document id of every
+        position of packed rows (non-decreasing along a row): each token then attends only within its document."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
         pos = (torch.arange(t, device=tokens.device, dtype=torch.float32) if positions is None
                else positions.to(device=tokens.device, dtype=torch.float32))
-        freqs = torch.outer(pos, self.inv_freq.to(tokens.device))
+        freqs = pos[..., None] * self.inv_freq.to(tokens.device)
         angles = torch.cat((freqs, freqs), dim=-1)
+        if angles.dim() == 3:  # per-row positions: [B, 1, T, D] against the [B, H, T, D] heads
+            angles = angles[:, None]
         x = self.embed(tokens)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # (a bf16 model computes in bf16 throughout)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents)
         return self.lm_head(self.norm(x))
 
 

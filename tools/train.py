@@ -39,6 +39,7 @@ from vescale.core.launch import init_distributed, rank_device, spawn
 from vescale.core.mesh import mesh_coordinates
 from vescale.core.preemption import forward_signals
 from vescale.core.watchdog import watch_collectives
+from vescale.plan.documents import documents_from_eos
 
 # The other vescale packages are imported where they are used: a spawned rank imports this file before it joins.
 TOOLS = str(Path(__file__).resolve().parent)
@@ -188,8 +189,10 @@ def train(cfg: TrainConfig, watch=None) -> dict:
                 group["lr"] = lr_at(step, cfg)
             optimizer.zero_grad(set_to_none=True)
             with count_comms(mesh) if step == comm_step and mesh is not None else contextlib.nullcontext() as counter:
+                docs = documents_from_eos(inputs, corpus.eos_id) if par.spec.document_mask else None  # packed text
                 loss = par.forward_backward(par.shard_batch(inputs).to(device), par.shard_batch(targets).to(device),
-                                            num_tokens=trained)  # one device's mean over the trained tokens
+                                            num_tokens=trained,  # one device's mean over the trained tokens
+                                            documents=None if docs is None else par.shard_batch(docs).to(device))
                 if cfg.grad_dump and step == start:  # before clipping and the update: the raw gradient of the batch
                     at = mesh_coordinates(mesh) if mesh is not None else {}  # one copy of each: the replicas' first
                     dump_grads(par.grads(), cfg.grad_dump, keep=all(at.get(d, 0) == 0 for d in ("dp", "cp", "tp")))

@@ -272,11 +272,11 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     return wrap(out.transpose(1, 2).contiguous()), None
 
 
-def _hook_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, module: nn.Module,
-                    setup_key: int) -> torch.Tensor:
-    """The ``causal_attention`` method of a hook model's attention module under cp: ``[B, H, T_local, D]``. (It
-    holds the cp group by key, not itself: the pipeline split deep-copies the model, and a process group is not
-    copyable.)"""
+def _hook_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None, *,
+                    module: nn.Module, setup_key: int) -> torch.Tensor:
+    """The ``causal_attention`` method of a hook model's attention module under cp: ``[B, H, T_local, D]``;
+    ``documents``: the whole rows' document ids ``[B or 1, S]`` (packed rows), or None. (It holds the cp group by
+    key, not itself: the pipeline split deep-copies the model, and a process group is not copyable.)"""
     setup = op_state(setup_key)
     if module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()):
         raise ContextParallelError(f"{type(module).__name__} has dropout in training; under context parallelism it is "
@@ -284,8 +284,14 @@ def _hook_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, module
     q, wrap = _local_heads(q, 1)
     k, _ = _local_heads(k, 1)
     v, _ = _local_heads(v, 1)
+    if documents is not None:
+        documents, _ = _local_heads(documents, 1)  # replicated (no head dim): its local tensor is all of it
+        if documents.shape[-1] != setup.size * q.shape[2]:
+            raise ContextParallelError(f"{type(module).__name__}.causal_attention got document ids "
+                                       f"{tuple(documents.shape)} under cp={setup.size}: they must cover the whole "
+                                       f"rows ({setup.size * q.shape[2]} positions), as the model's forward got them")
     with capture_suspended():
-        out = _local_attention(q, k, v, setup, None, None)
+        out = _local_attention(q, k, v, setup, None, None, documents)
     return wrap(out)
 
 
@@ -392,6 +398,11 @@ def _hook_forward(model: nn.Module, size: int, rank: int):
         index = local_positions(seq_len, size, rank).to(tokens.device)  # refuses a length not in 2 x cp chunks
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device)
+        documents = kwargs.get("documents")
+        if documents is not None and documents.shape[-1] != seq_len:
+            raise ContextParallelError(f"{type(self).__name__}: document ids {tuple(documents.shape)} do not cover "
+                                       f"the {seq_len} tokens of each row")
+        # (document ids stay whole: each layer's cp attention masks its queries against the whole rows' keys)
         call = functools.partial(unbound, self) if unbound is not None else inner
         return call(tokens[:, index].contiguous(), *args, positions=positions[..., index].contiguous(), **kwargs)
 

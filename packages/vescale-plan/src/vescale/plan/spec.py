@@ -50,6 +50,9 @@ class ParallelSpec:
     - ``optimizer_state_dtype``: ``fp32`` or ``bf16``: the dtype :meth:`Parallelized.make_optimizer`'s optimizer
       keeps its state (AdamW moments, momenta) in between steps; master weights stay fp32
       (``vescale.parallel.low_precision_state``).
+    - ``document_mask``: packed rows with document ids (``Parallelized.forward_backward(..., documents=)``): each
+      token attends only within its document, positions restarting per document (``vescale.plan.documents``); a
+      pipeline is captured with those inputs.
     """
 
     mesh: dict[str, int] = field(default_factory=dict)
@@ -65,6 +68,7 @@ class ParallelSpec:
     activation_checkpointing: str = "none"
     compile: bool = False
     optimizer_state_dtype: str = "fp32"
+    document_mask: bool = False
 
     # -- derived sizes ----------------------------------------------------------------------------------------------
 

@@ -93,18 +93,21 @@ class Attention(nn.Module):
         self.attn_dropout = nn.Dropout(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        y = self.causal_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
+        y = self.causal_attention(q, k, v, documents).transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.wo(y))
 
-    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[B, H, T, D]``: causal self-attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, T, D]`` (the hook
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, H, T, D]``: causal self-attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, T, D]``, with
+        ``documents`` (int ``[B or 1, T]``) only within each query's document (the hook
         ``vescale.parallel.context_parallel`` replaces on each instance to attend across a cp-sharded sequence)."""
         t = q.shape[2]
         groups = self.n_head // self.n_kv_head
@@ -113,6 +116,8 @@ class Attention(nn.Module):
             v = v.repeat_interleave(groups, dim=1)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        if documents is not None:  # [B or 1, 1, T, T]: the same document, causally
+            causal = causal & (documents[:, None, :, None] == documents[:, None, None, :])
         scores = scores.masked_fill(~causal, float("-inf"))
         att = self.attn_dropout(F.softmax(scores, dim=-1))
         return att @ v
@@ -143,8 +148,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -178,23 +184,27 @@ class GPT(nn.Module):
     def rotary(self, seq_len: int, device: torch.device,
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables ``[seq_len, head_dim]`` for ``positions`` (int ``[seq_len]``; default
-        ``0 .. seq_len-1``)."""
+        ``0 .. seq_len-1``), ``[B, 1, seq_len, head_dim]`` for per-row positions ``[B, seq_len]``."""
         pos = (torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None
                else positions.to(device=device, dtype=torch.float32))
-        freqs = torch.outer(pos, self.inv_freq.to(device))
+        freqs = pos[..., None] * self.inv_freq.to(device)
         emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.dim() == 3:
+            emb = emb[:, None]
         return emb.cos(), emb.sin()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: the tokens' global positions for the rotary tables (context parallelism passes each
-        rank's)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the tokens' global positions for the rotary tables (int ``[T]`` or per row ``[B, T]``;
+        context parallelism passes each rank's). ``documents``: int ``[B or 1, T]`` document ids of packed rows (each
+        token attends only within its document)."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self.rotary(t, tokens.device, positions)
         x = self.drop(self.embed(tokens))
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents)
         return self.lm_head(self.norm(x))
 
 
