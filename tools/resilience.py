@@ -15,7 +15,10 @@ from pathlib import Path
 from faults import ENV_VAR, Faults
 from rank_times import CollectiveWaitClock
 
-__all__ = ["Resilience", "auto_resume", "checkpoints_newest_first"]
+__all__ = ["Resilience", "auto_resume", "checkpoints_newest_first", "PREEMPT_GRACE_S"]
+
+#: Seconds after a preemption signal within which every rank must agree to stop, else the rank exits (143 on SIGTERM)
+PREEMPT_GRACE_S = 25.0
 
 
 def checkpoints_newest_first(out: str | Path) -> list[Path]:
@@ -66,7 +69,10 @@ class Resilience:
         if self.guard is None:
             raise ValueError("Resilience needs the optimizer of par.make_optimizer(..., skip_nonfinite=True)")
         self.faults = Faults(os.environ.get(ENV_VAR), rank)  # parsed before anything is patched
-        self.preempt = PreemptionGuard(["SIGTERM"] + ([cfg.preempt_signal] if cfg.preempt_signal else [])).__enter__()
+        # grace: a rank blocked in a collective whose peer died never agrees to stop; it exits 25 s after the signal,
+        # before the launcher's SIGKILL (torchrun, Kubernetes: 30 s), so that a restart does not wait for it
+        self.preempt = PreemptionGuard(["SIGTERM"] + ([cfg.preempt_signal] if cfg.preempt_signal else []),
+                                       grace=PREEMPT_GRACE_S).__enter__()
         self.guard.carry(self.preempt)  # the stop flag rides on the bad-step all-reduce: one collective a step
         self.faults.__enter__()
         self.clock = CollectiveWaitClock().__enter__()

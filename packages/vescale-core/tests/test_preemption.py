@@ -74,3 +74,39 @@ def test_a_launcher_forwards_the_signal_to_its_children():
     finally:
         child.join(10)
         child.kill()
+
+
+_BLOCKED_RANK = r"""
+import os, sys, time, torch, torch.distributed as dist
+from vescale.core.preemption import PreemptionGuard
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2, init_method="tcp://127.0.0.1:" + sys.argv[2])
+if dist.get_rank() == 1:  # the peer that never joins the collective (as a dead one would not)
+    time.sleep(120)
+with PreemptionGuard(["SIGTERM"], grace=float(sys.argv[3])) as guard:
+    print("blocked", flush=True)
+    dist.all_reduce(torch.ones(1))  # blocks in C++: no Python handler runs until it returns
+    print("returned", guard.should_stop(), flush=True)
+"""
+
+
+def test_a_signal_to_a_rank_blocked_in_a_collective_exits_after_the_grace():
+    """Rank 0 waits in an all-reduce that rank 1 never joins; a SIGTERM to it, never agreed, ends it with status
+    128 + SIGTERM after ``grace`` (without it the rank would wait for the collective timeout, then be SIGKILLed)."""
+    import subprocess
+    import sys
+
+    from vescale.core.launch import free_port
+
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", _BLOCKED_RANK, str(r), port, "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        assert ranks[0].stdout.readline().strip() == "blocked"
+        ranks[0].send_signal(signal.SIGTERM)
+        _, err = ranks[0].communicate(timeout=120)  # a hang guard, not a timing
+        assert ranks[0].returncode == 128 + signal.SIGTERM, err
+        assert "SIGTERM received and no stop agreed within 1 s" in err, err
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()

@@ -16,6 +16,12 @@ all-reduce (MAX) of a one-element flag, so every rank sees ``True`` at the same 
 A loop that already agrees on something every step can carry the flag in that all-reduce instead
 (``vescale.parallel.StepGuard.carry(preempt)``: the bad-step check and the stop flag in one tensor); ``should_stop``
 then returns that step's agreed answer without a collective of its own.
+
+A rank blocked in a collective whose peer is gone (the peer died; torchrun then SIGTERMs the survivors before it
+restarts the group) never reaches the agreement: with ``grace`` set, a rank that got a signal and has not agreed to
+stop within ``grace`` seconds exits at once (status 128 + the signal), instead of holding the restart until the
+launcher's SIGKILL (torchrun's and Kubernetes' default: 30 s). The watch runs on a thread woken through
+``signal.set_wakeup_fd``, because a main thread blocked in C++ runs no Python signal handler.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from types import FrameType
@@ -51,14 +58,18 @@ class PreemptionGuard:
 
     ``group``: the ranks that agree (default: all). ``every``: :meth:`should_stop` communicates on every ``every``-th
     call only (1: each call; a signal then waits at most ``every`` steps). ``device``: the flag's device (default:
-    the current CUDA device under NCCL, else the CPU). The handlers replace the previous ones for the ``with`` and are
-    restored after it; they must be installed from the main thread (Python runs handlers there).
+    the current CUDA device under NCCL, else the CPU). ``grace``: seconds after a signal within which every rank must
+    have agreed to stop, else this process exits (``os._exit(128 + signal)``; None: wait forever). The handlers
+    replace the previous ones for the ``with`` and are restored after it; they must be installed from the main
+    thread (Python runs handlers there).
     """
 
     def __init__(self, signals: Iterable[str | int] = ("SIGTERM",), *, group: dist.ProcessGroup | None = None,
-                 every: int = 1, device: torch.device | str | None = None) -> None:
+                 every: int = 1, device: torch.device | str | None = None, grace: float | None = None) -> None:
         if every < 1:
             raise ValueError(f"every={every} must be at least 1")
+        if grace is not None and not grace > 0:
+            raise ValueError(f"grace={grace} must be above 0 seconds (or None: no limit)")
         self.signals = tuple(dict.fromkeys(signal_number(s) for s in signals))
         self.group, self.every, self._device = group, every, device
         self.received: signal.Signals | None = None  # the first signal this process got
@@ -66,18 +77,54 @@ class PreemptionGuard:
         self._calls = 0
         self._carried = False  # agreed() gave this step's answer: should_stop() issues no collective
         self._previous: dict[signal.Signals, object] = {}
+        self.grace = grace
+        self._settled = threading.Event()  # stop agreed (or the with block left): the grace watch ends
+        self._wakeup: tuple[int, int, int] | None = None  # (read end, write end, the previous wakeup fd)
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("PreemptionGuard installs signal handlers: enter it from the main thread")
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._note)
+        if self.grace is not None:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._settled.clear()
+            self._wakeup = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(read,), daemon=True, name="vescale-preemption-grace").start()
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._wakeup is not None:
+            read, write, previous = self._wakeup
+            self._wakeup = None
+            self._settled.set()
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the watch reads end-of-file and ends (it closes the read end)
+
+    def _watch(self, read: int) -> None:
+        """Grace thread: woken by the C-level signal handler (the wakeup fd gets each signal's number), even while the
+        main thread is blocked; after one of ``signals``, exits the process unless a stop is agreed within ``grace``."""
+        ours = {int(s) for s in self.signals}
+        try:
+            while not self._settled.is_set():
+                data = os.read(read, 64)
+                if not data:
+                    return
+                hit = next((b for b in data if b in ours), None)
+                if hit is None:
+                    continue
+                if self._settled.wait(self.grace):
+                    return
+                sys.stderr.write(f"PreemptionGuard: {signal.Signals(hit).name} received and no stop agreed within "
+                                 f"{self.grace:g} s (blocked in a collective whose peer is gone?): exiting now\n")
+                sys.stderr.flush()
+                os._exit(128 + hit)
+        finally:
+            os.close(read)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -92,6 +139,8 @@ class PreemptionGuard:
         next :meth:`should_stop` returns it without communicating."""
         self.stopping = self.stopping or value > 0
         self._carried = True
+        if self.stopping:
+            self._settled.set()
 
     def should_stop(self) -> bool:
         """Whether some rank of ``group`` received one of the signals: the same answer on every rank. A collective
@@ -107,6 +156,8 @@ class PreemptionGuard:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self.stopping = bool(flag.item() > 0)
+        if self.stopping:
+            self._settled.set()
         return self.stopping
 
     def _flag_device(self) -> torch.device:
