@@ -208,8 +208,8 @@ def _first_loss_on_one_device(cfg, rows: torch.Tensor) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1), rows[:, 1, 1:].flatten(), ignore_index=-100))
 
 
-def test_chat_fine_tune_dp2_grad_accum_first_loss_is_one_devices_token_mean(chat, tmp_path, ranks):
-    cfg = train.TrainConfig(mesh="dp=2", model="gpt-tiny", data=str(chat["file"]), chat=True,
+def test_chat_fine_tune_dp2_tp2_grad_accum_first_loss_is_one_devices_token_mean(chat, tmp_path, ranks):
+    cfg = train.TrainConfig(mesh="dp=2,tp=2", model="gpt-tiny", data=str(chat["file"]), chat=True,
                             tokenizer=str(chat["tok"]), steps=2, batch_size=8, seq_len=48, grad_accum=2, lr=3e-3,
                             warmup=1, out=str(tmp_path / "run"), trace_steps=0, quiet=True, eval_every=2,
                             heldout=0.25)
@@ -219,7 +219,7 @@ def test_chat_fine_tune_dp2_grad_accum_first_loss_is_one_devices_token_mean(chat
     os.environ["VESCALE_CACHE"] = str(chat["cache"])
     try:
         corpus = data_mod.open_data(cfg, 128)
-        summary = ranks(_in_cache, 2, str(chat["cache"]), cfg)[0]
+        summary = ranks(_in_cache, 4, str(chat["cache"]), cfg)[0]
     finally:
         os.environ.pop("VESCALE_CACHE")
     rows = corpus.batch(0, 8, 48)
