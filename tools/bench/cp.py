@@ -1,6 +1,6 @@
 """Benchmark context parallelism: activation memory per rank and step time against sequence length, cp = 1, 2, 4.
 
-    python tools/bench/cp.py [--small] [--seq-lens 512 1024 2048] [--cp 1 2 4] [--steps N]
+    python tools/bench/cp.py [--small] [--seq-lens 512 1024 2048] [--cp 1 2 4] [--steps N] [--documents N]
 
 One training step (forward with the model's own loss, backward) of an unmodified Hugging Face Llama (4 layers, hidden
 256, 8 heads / 4 kv heads; ``--small``: 2 layers, hidden 64) under :func:`vescale.parallel.context_parallel`, batch 1,
@@ -12,7 +12,12 @@ fp32, on ``cp`` CPU ranks (cp = 1: the plain model on one pooled rank). Reported
   ``1 / cp``, except the keys and values each layer gathers over cp, which every rank holds whole (the attention is
   blockwise, so no ``S/cp x S`` term: the ratio to cp = 1 stays constant as the sequence grows);
 * ``ratio_to_cp1``: that figure over cp = 1's, next to the ideal ``1 / cp``;
-* ``step_ms``: median step time of the slowest rank.
+* ``step_ms``: median step time of the slowest rank;
+* with ``--documents N`` (the cost of document masking): each row packed as ``N`` equal documents (``position_ids``
+  restarting per document, no attention mask, no cache: transformers' packed rows, masked per document on one device
+  and by vescale's blockwise cp kernel) and measured again, ``masked_step_ms`` / ``masked_activation_mb``. The
+  attention FLOPs do not change (no block is skipped by document); the mask adds ``S x S`` comparisons per layer
+  (one device: a ``[1, 1, S, S]`` bool mask, ``mask_mb``; cp: ``c x c`` per block, none kept).
 
 Torch's own ``torch.distributed.tensor.experimental.context_parallel`` is tried on the same model on 2 ranks; it
 implements ring attention for the CUDA attention kernels only, so on CPU the bench records what it does (the error,
@@ -43,7 +48,7 @@ def _model(small: bool):
     return tf.LlamaForCausalLM(config).train()
 
 
-def _measure(small: bool, seq_len: int, steps: int, cp: int) -> dict:
+def _measure(small: bool, seq_len: int, steps: int, cp: int, documents: int = 0) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -56,9 +61,13 @@ def _measure(small: bool, seq_len: int, steps: int, cp: int) -> dict:
 
         context_parallel(model, init_mesh({"cp": cp}))
     tokens = torch.randint(0, 1024, (1, seq_len), generator=torch.Generator().manual_seed(1))
+    packed = {}
+    if documents:  # packed rows: positions restart per document (what --document-mask gives a transformers model)
+        packed = {"position_ids": (torch.arange(seq_len) % -(-seq_len // documents)).unsqueeze(0),
+                  "use_cache": False}
 
     def step():
-        return model(input_ids=tokens, labels=tokens, use_cache=None if cp > 1 else False).loss
+        return model(input_ids=tokens, labels=tokens, **(packed or {"use_cache": None if cp > 1 else False})).loss
 
     activation = saved_activation_bytes(model, step)
     times = []
@@ -113,6 +122,8 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=None)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--documents", type=int, default=0, metavar="N",
+                        help="also measure each row packed as N documents, masked per document")
     parser.add_argument("--torch-timeout", type=float, default=120, help="seconds given to torch's context_parallel")
     args = parser.parse_args()
     seq_lens = args.seq_lens or ([128, 256] if args.small else [512, 1024, 2048])
@@ -126,8 +137,14 @@ def main() -> None:
         for cp in args.cp:
             result = run_on_ranks(_measure, cp, args.small, seq_len, args.steps, cp)[0]  # cp = 1: one pooled rank
             base = base or result["activation_mb"]
-            rows.append({"seq_len": seq_len, "cp": cp, **result,
-                         "ratio_to_cp1": round(result["activation_mb"] / base, 3), "ideal": round(1 / cp, 3)})
+            row = {"seq_len": seq_len, "cp": cp, **result,
+                   "ratio_to_cp1": round(result["activation_mb"] / base, 3), "ideal": round(1 / cp, 3)}
+            if args.documents:
+                masked = run_on_ranks(_measure, cp, args.small, seq_len, args.steps, cp, args.documents)[0]
+                row.update(documents=args.documents, masked_step_ms=masked["step_ms"],
+                           masked_activation_mb=masked["activation_mb"],
+                           mask_mb=round(seq_len * seq_len / 2**20, 2) if cp == 1 else 0.0)
+            rows.append(row)
     try:
         torch_cp = run_on_ranks(_torch_context_parallel, 2, args.small, seq_lens[0], timeout=args.torch_timeout)[0]
     except (RankError, RankTimeoutError) as exc:  # torch's attempt hanging or failing is the finding

@@ -44,9 +44,10 @@ How it runs:
   passes a forward's keyword arguments on to the attention, as flash attention's ``cu_seq_lens``), and the blockwise
   kernel masks each block by document (a document may cross any chunk boundary). An attention module that drops
   the argument is refused (``ContextParallelError`` on every rank, before the first key/value gather). With an
-  attention mask or a cache one device attends over the whole row, and so does cp. **Hook models** take one
-  ``positions`` vector for every row and their ``causal_attention`` has no document notion: a row is always one
-  causal sequence there, on one device as under cp (restarting ``positions`` move the rotary phases only).
+  attention mask or a cache one device attends over the whole row, and so does cp. **Hook models** take
+  per-row ``positions`` and, for packed rows, ``documents=`` (the whole rows' document ids ``[B or 1, S]``): the cp
+  forward slices the positions and hands the whole ``documents`` on, which the model passes to every
+  ``causal_attention(q, k, v, documents)``; the blockwise kernel masks by them as above.
 - **Loss.** With ``labels`` (transformers models) the model's own loss function receives this rank's labels already
   shifted (the shift is done on the whole sequence first, so no token loses its target at a chunk boundary) and the
   whole batch's count of target tokens divided by ``cp``: each rank's loss is its tokens' summed loss over ``N / cp``,
