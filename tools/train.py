@@ -152,6 +152,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     rank, out = dist.get_rank(), Path(cfg.out)
     corpus = open_data(cfg, models.model_spec(cfg.model).vocab_size)  # prepared by main: a cache hit here
     trainer = build_trainer(cfg)
+    startup = {"built_at": time.time()}  # wall-clock marks of a (re)start, for tools/bench/recovery.py
     par, optimizer = trainer.par, trainer.optimizer
     mesh, roles = par.mesh, par.roles
     if watch is not None and mesh is not None:
@@ -163,6 +164,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         if any(k.startswith("progress") and k.endswith("skipped") for k in checkpoint.inspect(cfg.resume)["values"]):
             progress["skipped"] = 0  # the run's bad steps so far (checkpoints written before it was kept lack it)
         checkpoint.load(cfg.resume, {**trainer.state, "progress": progress})
+        startup["loaded_at"] = time.time()
         start = int(progress["step"])
         offset, note = resume_offset(progress, corpus, cfg.batch_size)
         if note:
@@ -204,6 +206,8 @@ def train(cfg: TrainConfig, watch=None) -> dict:
             window.after(step)
             run_log.step(step, {"step": step + 1, "loss": float(loss), "lr": lr_at(step, cfg), "step_s": dt,
                                 "tokens_per_s": tokens_per_step / dt, **res.metrics(), **monitor.after_step(step)})
+            if step == start:
+                startup["first_step_at"] = time.time()
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
                 res.save(step + 1)
             if res.should_stop(step):  # a preemption signal reached some rank: every rank stops here, checkpointed
@@ -240,7 +244,7 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         else None, "model_flops_per_token": trainer.flops_per_token, "model_tflops": tflops,
         "mfu": tflops / (dist.get_world_size() * cfg.peak_tflops) if cfg.peak_tflops else None,
         "export_hf": cfg.export_hf, "skipped_steps": res.guard.skipped, "preempted": res.preempt.stopping,
-        "save_errors": res.save_errors, "ranks": ranks, "slow_ranks": slow,
+        "save_errors": res.save_errors, "ranks": ranks, "slow_ranks": slow, "startup": startup,
     }, corpus.entropy())
 
 
