@@ -15,7 +15,7 @@ __all__ = ["heldout_loss"]
 @torch.no_grad()
 def heldout_loss(model: nn.Module, batches: list[torch.Tensor], *, dp_rank: int, dp: int,
                  dp_group: dist.ProcessGroup | None, device: torch.device, ep_rank: int = 0, ep: int = 1,
-                 ep_group: dist.ProcessGroup | None = None) -> float:
+                 ep_group: dist.ProcessGroup | None = None, eos_id: int | None = None) -> float:
     """The mean loss over the trained tokens of ``batches`` (each ``[B, T + 1]`` token rows or ``[B, 2, T + 1]``
     labelled rows, ``data.step_rows``; ``B`` divisible by ``dp x ep``), as one device computes it on them all.
 
@@ -28,10 +28,14 @@ def heldout_loss(model: nn.Module, batches: list[torch.Tensor], *, dp_rank: int,
     rows do not divide over ``dp x ep`` raises ``ValueError`` on every rank before any forward. With ``ep > 1`` the
     model is called as ``model(input_ids=rows)``, the batch boundary ``parallelize_experts`` gives the root (Hugging
     Face's argument name; a positional batch would not be sharded over ep). ``model`` is left in the mode it was in.
+    With ``eos_id`` (document masking, as the run trains) each token attends only within its EOS-delimited document
+    (``vescale.plan.document_inputs`` of the rows).
     """
+    import inspect
+
     from data import step_rows
 
-    from vescale.plan import language_model_loss
+    from vescale.plan import document_inputs, documents_from_eos, language_model_loss
 
     for batch in batches:
         if batch.ndim not in (2, 3) or batch.shape[0] % (dp * ep):
@@ -43,7 +47,10 @@ def heldout_loss(model: nn.Module, batches: list[torch.Tensor], *, dp_rank: int,
         total = torch.zeros(2, dtype=torch.float64, device=device)  # the loss sum, the trained tokens
         for batch in batches:
             inputs, targets, _ = step_rows(batch.chunk(dp)[dp_rank].chunk(ep)[ep_rank].to(device))
-            out = model(input_ids=inputs) if ep > 1 else model(inputs)
+            by_name = ep > 1 or "input_ids" in inspect.signature(model.forward).parameters
+            docs = None if eos_id is None else documents_from_eos(inputs, eos_id)
+            kw = {} if docs is None else document_inputs(docs, transformers_style=by_name)
+            out = model(input_ids=inputs, **kw) if ep > 1 else model(inputs, **kw)
             total[0] += language_model_loss(out, targets, reduction="sum").double()
             total[1] += (targets != -100).sum()
         for size, group in ((dp, dp_group), (ep, ep_group)):
@@ -136,8 +143,12 @@ class TextMonitor:
         if not self.text or self.pipeline:
             return out
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+            from config import uses_document_mask
+
+            eos_id = getattr(self.data, "eos_id", None) if uses_document_mask(cfg) else None
             loss = heldout_loss(self.model, self.batches, dp_rank=self.dp_rank, dp=self.dp, dp_group=self.dp_group,
-                                device=self.device, ep_rank=self.ep_rank, ep=self.ep, ep_group=self.ep_group)
+                                device=self.device, ep_rank=self.ep_rank, ep=self.ep, ep_group=self.ep_group,
+                                eos_id=eos_id)
             out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
             self.log(f"step {done}: held-out loss {loss:.4f}, perplexity {out['eval_ppl']:.2f}")
         if cfg.sample_every and done % cfg.sample_every == 0:
