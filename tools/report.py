@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RunLog", "TensorBoardLog", "TimelineWindow", "dump_grads", "gather_per_rank", "state_bytes",
-           "peak_memory_mb"]
+           "peak_memory_mb", "planner_memory_mb"]
 
 
 def gather_per_rank(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -97,6 +97,24 @@ def peak_memory_mb() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def planner_memory_mb(spec, make_model, batch_size: int, seq_len: int) -> dict:
+    """The planner's per-rank memory estimate of ``spec`` for this run, in MB by term (``parameters``, ``gradients``,
+    ``optimizer``, ``activations``, ``communication_buffers``, ``total``): ``vescale.plan.estimate_spec`` on the model
+    ``make_model()`` builds on the meta device (the given spec priced, no search). ``{"error": why}`` when the model
+    cannot be priced (a report, not a reason to fail the run). No collective."""
+    try:
+        from vescale.plan import estimate_spec
+
+        with torch.device("meta"):
+            model = make_model()
+        c = estimate_spec(model, spec, batch_size=batch_size, seq_len=seq_len)
+    except Exception as exc:  # noqa: BLE001 - reported in summary.json instead
+        return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+    terms = {"parameters": c.weights_gb, "gradients": c.grads_gb, "optimizer": c.states_gb,
+             "activations": c.activations_gb, "communication_buffers": c.gathered_gb, "total": c.memory_gb}
+    return {k: round(v * 1024, 2) for k, v in terms.items()}
 
 
 class TimelineWindow:

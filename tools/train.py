@@ -224,6 +224,11 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         lora.export(cfg, par.held, out, log=lambda m: log(cfg, m))
     per_rank = gather_per_rank([peak_memory_mb(), trainer.init_s, trainer.init_bytes,
                                 *rank_times.rank_row(res.step_s, res.wait_s)], device)
+    from report import planner_memory_mb
+
+    from vescale.plan.dry_run import rank_bytes
+
+    held = gather_per_rank([float(sum(rank_bytes(par, optimizer).values()))], device)  # exact, beside the estimate
     if rank != 0:
         return {}
     ranks, slow = rank_table(per_rank[:, 3:], cfg, out)
@@ -239,6 +244,9 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         "peak_memory_mb_per_rank": [round(float(p), 1) for p in per_rank[:, 0]], "init": cfg.init,
         "init_s_per_rank": [round(float(t), 3) for t in per_rank[:, 1]],
         "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in per_rank[:, 2]],
+        "state_mb_per_rank": [round(float(b) / 2**20, 2) for b in held[:, 0]],  # parameters + gradients + optimizer
+        "planner_memory_mb": planner_memory_mb(par.spec, lambda: models.create(cfg.model),
+                                               cfg.batch_size // cfg.grad_accum, cfg.seq_len),
         "collectives_one_step": comms,
         "grad_accum": cfg.grad_accum, "spec": json.loads(par.spec.to_json()) if isinstance(par.spec.tp_plan, str)
         else None, "model_flops_per_token": trainer.flops_per_token, "model_tflops": tflops,

@@ -2,7 +2,7 @@
 (``vescale.plan.estimate_spec``, the given spec priced as the planner prices a candidate) and measured on gloo CPU
 ranks for the same spec, with the ratio.
 
-    python tools/bench/planner_accuracy.py [--hardware FILE] [--calibrate] [--small] [--steps 3]
+    python tools/bench/planner_accuracy.py [--hardware FILE] [--small] [--steps 3] [--rounds 2] [--table]
 
 Every cell is one spec of world 2 or 4 (dp, tp, pp and their pairs, ZeRO 0-2) on tools/models.py's ``llama`` (an
 unmodified transformers Llama: hidden 256, 4 layers, 8 / 4 heads, vocab 512, fp32), batch 8 x 64 tokens, built by
@@ -14,11 +14,13 @@ unmodified transformers Llama: hidden 256, 4 layers, 8 / 4 heads, vocab 512, fp3
 * communication: one step's collectives (``vescale.core.comm.count_comms``), turned from the bytes each rank hands in
   into ring bytes on the wire, as the cost model counts them (all-reduce ``2 (n-1)/n``, reduce-scatter ``(n-1)/n``,
   all-gather ``n-1`` times the input); pipeline sends are point-to-point, not collectives, and are not counted;
-* step time: the median over ``--steps`` timed steps of the slowest rank's forward-backward + optimizer step.
+* step time: the median over ``--steps`` timed steps of the slowest rank's forward-backward + optimizer step, the
+  least of ``--rounds`` rounds over all cells (outside load only ever slows a step down).
 
 Memory terms take the largest rank (what decides whether a mesh fits); ratios are estimate / measured. The hardware
-model is ``--hardware FILE`` (a ``python -m vescale.plan --calibrate`` file), or ``--calibrate`` measures one first
-(matmul rate and gloo all-reduce latency / bandwidth on the bench's ranks). Also printed: the Spearman rank
+model is ``--hardware FILE`` (a ``python -m vescale.plan --calibrate`` file) for every cell, or by default one
+calibration per world size, measured first on that many ranks (``vescale.plan.calibrate``: on a CPU the ranks share
+the cores, so a rank's matmul rate depends on how many run). Also printed: the Spearman rank
 correlation of estimated against measured step time over the cells, and per world size the measured step of the
 cell the estimate ranks first against the best measured cell.
 
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -182,17 +186,24 @@ def _ratio(est: float, got: float) -> float | None:
     return round(est / got, 3) if got else None
 
 
-def run(cells, hw, steps: int) -> list[dict]:
+def run(cells, hws: dict, steps: int, rounds: int = 1) -> list[dict]:
+    """Measure and estimate every ``(mesh, zero)`` of ``cells`` (``hws``: the hardware model per world size)."""
     from vescale.core.testing import run_on_ranks
     from vescale.plan import ParallelSpec
 
+    specs = [ParallelSpec(mesh=mesh, zero=zero, microbatches=4 if "pp" in mesh else 0) for mesh, zero in cells]
+    measured: list[list] = [[] for _ in specs]
+    for _ in range(rounds):  # all cells once per round: a burst of outside load hits one round of a cell
+        for k, spec in enumerate(specs):
+            per_rank = run_on_ranks(_rank_cell, spec.world_size, spec.to_json(), steps)
+            measured[k].append((statistics.median(max(r["step_s"][i] for r in per_rank) for i in range(steps)),
+                                per_rank))
     rows = []
-    for mesh, zero in cells:
-        spec = ParallelSpec(mesh=mesh, zero=zero, microbatches=4 if "pp" in mesh else 0)
+    for (mesh, zero), spec, runs in zip(cells, specs, measured):
         world = spec.world_size
-        c = _estimate(spec, hw)
-        per_rank = run_on_ranks(_rank_cell, world, spec.to_json(), steps)
-        step_s = statistics.median(max(r["step_s"][i] for r in per_rank) for i in range(steps))
+        c = _estimate(spec, hws[world])
+        step_s = min(t for t, _ in runs)
+        per_rank = runs[-1][1]
         got = {k: max(r[k] for r in per_rank) for k in ("parameters", "gradients", "optimizer", "activations")}
         wire = {d: max(r["wire"].get(d, 0.0) for r in per_rank) for d in ("tp", "dp")}
         est = {"parameters": c.weights_gb * 2**30, "gradients": c.grads_gb * 2**30, "optimizer": c.states_gb * 2**30,
@@ -232,22 +243,29 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hardware", default=None, help="a --calibrate file (default: measure one, --calibrate)")
-    parser.add_argument("--calibrate", action="store_true", help="measure this machine first (4 ranks)")
+    parser.add_argument("--hardware", default=None, help="a --calibrate file for every cell (default: calibrate "
+                        "on each world size first)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over all cells (the least step time kept)")
     parser.add_argument("--small", action="store_true", help="five cells of world 2 and 4 (the nox bench session)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per cell")
     parser.add_argument("--table", action="store_true", help="also print a Markdown table to stderr")
     args = parser.parse_args()
     from vescale.plan.cli import _hardware
 
-    path = args.hardware
-    if path is None or args.calibrate:
+    cells = SMALL if args.small else CELLS
+    worlds = sorted({math.prod(mesh.values()) for mesh, _ in cells})
+    paths = {w: args.hardware for w in worlds}
+    if args.hardware is None:
+        from vescale.core.testing import spawn_on_pool
         from vescale.plan.calibrate import calibrate
 
-        path = path or str(Path("/tmp") / "vescale-calibration.json")
-        calibrate(path, world_size=4)
-    hw, _ = _hardware(path)
-    rows = run(SMALL if args.small else CELLS, hw, args.steps)
+        tmp = Path(tempfile.mkdtemp(prefix="vescale-calibration-"))
+        with spawn_on_pool():  # on the bench's own pooled ranks
+            for w in worlds:
+                paths[w] = str(tmp / f"world{w}.json")
+                calibrate(paths[w], world_size=w)
+    hws = {w: _hardware(p)[0] for w, p in paths.items()}
+    rows = run(cells, hws, args.steps, args.rounds)
     measured = [r["step_s"]["measured"] for r in rows]
     estimated = [r["step_s"]["estimate"] for r in rows]
     choice = {}
@@ -260,7 +278,8 @@ def main() -> None:
         choice[world] = {"estimate_first": first["mesh"] | {"zero": first["zero"]},
                          "measured_best": best["mesh"] | {"zero": best["zero"]},
                          "first_over_best": round(first["step_s"]["measured"] / best["step_s"]["measured"], 3)}
-    out = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "hardware": json.loads(Path(path).read_text()),
+    out = {"model": MODEL, "batch": BATCH, "seq_len": SEQ,
+           "hardware": {w: json.loads(Path(p).read_text()) for w, p in paths.items()},
            "cells": rows, "spearman_step": _spearman(estimated, measured), "choice": choice}
     print(json.dumps(out))
     if args.table:

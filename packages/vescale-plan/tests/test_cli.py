@@ -136,6 +136,9 @@ def test_dry_run_pipeline_rank():
     assert 0 < report.bytes["parameters"] < sharded // 8 + whole  # the second stage's shards only
     assert report.bytes["gradients"] >= report.bytes["parameters"]
     assert report.collectives["per_dim"]["tp"]["counts"].get("all_reduce", 0) > 0
+    # no tied weight in this model: nothing is summed over pp (the fake group's gather once made every parameter
+    # look held by every pp rank, and the step all-reduced all of the stage's gradients over pp)
+    assert "all_reduce" not in report.collectives["per_dim"].get("pp", {}).get("counts", {})
 
 
 def test_dry_run_refuses_a_spec_before_building():

@@ -7,9 +7,11 @@ papers' accounting:
 * compute: ``3 x`` forward matmul flops (forward + backward) of the traced model, scaled linearly to
   ``batch_size x seq_len`` tokens, divided over all ranks, at ``device_tflops``; the pipeline bubble adds
   ``(pp - 1) / microbatches`` of it (1F1B).
-* tp: per column/row pair, an all-gather and a reduce-scatter of the rank's activations in forward and the same in
-  backward (sequence parallel; without it two all-reduces of the same bytes each way), plus the head's logits.
-  Ring cost ``(n - 1) / n`` of the full tensor per all-gather/reduce-scatter, twice that per all-reduce.
+* tp: per column/row pair, an all-reduce of the rank's activations in forward and one in backward (with sequence
+  parallelism an all-gather and a reduce-scatter each way: the same bytes), a vocab-parallel lookup's forward
+  all-reduce, plus the head's logits. Ring cost ``(n - 1) / n`` of the full tensor per all-gather/reduce-scatter,
+  twice that per all-reduce. A pipeline stage (DTensor propagation, embeddings replicated) is priced at twice the
+  pairs' bytes, as measured at tp=2.
 * dp: ring bytes of the gradient reduction as vescale runs it (gradients in ``reduce_dtype``, fp32 by default;
   parameters in their dtype): ZeRO 0 an all-reduce of the gradients; ZeRO 1 the same all-reduce (DDP) plus an
   all-gather of the updated parameters; ZeRO 2 a reduce-scatter plus that all-gather; ZeRO 3 two all-gathers of the
@@ -135,6 +137,9 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
     default, whatever the parameters' dtype); ``state_bytes`` those of an Adam state element.
     """
     hw = hw or HardwareModel()
+    lookups = {e.param for e in trace.events if e.kind == "embedding"}
+    if pp > 1:  # a captured pipeline stage keeps its embeddings replicated over tp (only the plan's linears are cut)
+        tp_sharded = set(tp_sharded) - lookups
     total, sharded, hidden = _shape_facts(trace, tp_sharded)
     traced_tokens = next((math.prod(e.out_shape[:-1]) for e in trace.events if e.kind == "embedding"), 1)
     tokens = batch_size * seq_len
@@ -150,8 +155,13 @@ def estimate(trace: ModelTrace, *, pp: int, dp: int, tp: int, zero_stage: int, t
     rank_tokens = sequences * seq_len / cp
     act_full = rank_tokens * hidden * act_bytes  # one [tokens, hidden] activation of this rank
     ring = (tp - 1) / tp if tp > 1 else 0.0
-    per_pair = 4 * ring * act_full if sequence_parallel else 4 * 2 * ring * act_full
-    tp_bytes = (pairs / pp) * per_pair + (2 * ring * rank_tokens * vocab * act_bytes if tp > 1 else 0.0)
+    # Megatron's layout (vescale's fast path): per pair one all-reduce forward and one backward, or with sequence
+    # parallelism an all-gather and a reduce-scatter each way, the same ring bytes; a vocab-parallel lookup adds one
+    # forward all-reduce. A pipeline stage runs its tp layout by DTensor propagation instead, which measured twice
+    # Megatron's bytes at tp=2 (tools/bench/planner_accuracy.py; more at larger tp: not priced)
+    per_pair = 4 * ring * act_full * (2 if pp > 1 else 1)
+    vocab_lookup = 2 * ring * act_full if pp == 1 and lookups & set(tp_sharded) else 0.0
+    tp_bytes = (pairs / pp) * per_pair + vocab_lookup + (2 * ring * rank_tokens * vocab * act_bytes if tp > 1 else 0.0)
     experts = float(shape.expert_params) if shape is not None and ep > 1 else 0.0
     dense = total - experts
     dense_sharded = min(sharded, dense)

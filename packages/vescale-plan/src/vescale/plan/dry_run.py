@@ -150,6 +150,35 @@ def _optimizer_bytes(opt) -> int:
                    if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
+@contextlib.contextmanager
+def _alone_in_pipeline(model: nn.Module):
+    """Let ``PipeEngine`` learn which parameters other pp ranks hold without them: the fake group's
+    ``all_gather_object`` hands every rank's slot this rank's own object, so every parameter of this rank's stages
+    would look held by every pp rank (a tied weight), be summed over pp after each step and left out of gradient
+    norms. Within the block, the engine's gather (``(errors, {name: (shape, dtype)})``) gives the other slots no
+    errors and only this rank's names the model ties (one parameter under several FQNs), which are the names other
+    stages can hold too. Other gathers are left as the fake group answers them."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    tied = {n for ns in names.values() if len(ns) > 1 for n in ns}
+    gather = dist.all_gather_object
+
+    def gather_alone(object_list, obj, group=None):
+        gather(object_list, obj, group=group)
+        if (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], list) and isinstance(obj[1], dict)):
+            me = dist.get_rank(group) if group is not None else dist.get_rank()
+            for r in range(len(object_list)):
+                if r != me:
+                    object_list[r] = ([], {n: m for n, m in obj[1].items() if n in tied})
+
+    dist.all_gather_object = gather_alone
+    try:
+        yield
+    finally:
+        dist.all_gather_object = gather
+
+
 def rank_bytes(par, optimizer) -> dict[str, int]:
     """This rank's exact ``parameters``, ``gradients`` and ``optimizer`` bytes of a built job (``par``: what
     :func:`vescale.plan.build` returned; ``optimizer``: its ``make_optimizer``'s, after a step so that its state
@@ -240,7 +269,8 @@ def _run(report: DryRunReport, make_model, spec, batch_size, seq_len, optimizer,
     report.seconds["model"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
-        out = build(model, spec, batch_size=batch_size, seq_len=seq_len, device=torch.device("meta"))
+        with _alone_in_pipeline(model):
+            out = build(model, spec, batch_size=batch_size, seq_len=seq_len, device=torch.device("meta"))
     except Exception as exc:  # noqa: BLE001 - reported: which part of build failed on this rank, and why
         report.failed["build"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}"
         return
