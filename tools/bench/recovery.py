@@ -1,0 +1,196 @@
+"""Recovery time: from a rank's death to the restarted job's first new step, and the cold checkpoint load against the
+disk's read rate and DCP's cold load.
+
+    python tools/bench/recovery.py [--size-mb 256] [--repeat 3] [--layouts row,column] [--skip-restart]
+
+**Restart** (one torchrun agent, 2 CPU ranks, ``--max-restarts 1``): ``tools/train.py --resume auto`` checkpoints
+every ``--ckpt-every`` steps; once a checkpoint is committed and a step past it is done, rank 1 is SIGKILLed and the
+checkpoint's files are evicted from the page cache (``posix_fadvise(DONTNEED)``: the restarted job's load reads the
+disk, as after a node change). Split, on the wall clock: ``restart_s`` (death to the new rank process, torchrun
+noticing the death, stopping the survivor and starting the group again), ``init_s`` (the new process to the built
+model: interpreter and torch imports, rendezvous, process group, build), ``load_s`` (checkpoint load) and
+``first_step_s`` (the first new step). The marks come from the restarted run's ``summary.json`` (``startup``).
+
+**Cold load** (4 ranks, the checkpoint layout matrix of ``tools/bench/checkpoint.py``, ``--size-mb`` of fp32
+matrices): per row, vescale and DCP each save once, then ``--repeat`` cold loads of each, alternating, every one
+after evicting both checkpoints' files from the page cache (``posix_fadvise(DONTNEED)`` on every file: clean pages
+are dropped without privileges; dropping the whole page cache needs root). The floor: the stored bytes at the disk's
+buffered read rate measured in the same run (4 dd streams through the page cache after the same eviction, the best
+of 512 KiB / 1 MiB / 4 MiB blocks; its ``O_DIRECT`` rate is reported beside it). ``cold_fraction_of_read_rate``:
+that floor over vescale's cold load (1.0: the load reads at the disk's rate); ``ratio_cold_vs_dcp``: DCP's cold
+load time over vescale's (above 1: vescale is faster). Medians; the slowest rank between barriers. Prints one JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+from vescale.core.launch import free_port, spawn
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import checkpoint as ckpt_bench  # noqa: E402  (tools/bench/checkpoint.py: the layout matrix and its helpers)
+
+TOOLS = BENCH.parent
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(p) for p in (task / "children").read_text().split()]
+    return kids
+
+
+def _train_ranks(agent: int) -> list[int]:
+    found = []
+    for p in _children(agent):
+        try:
+            if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes():
+                found.append(p)
+        except FileNotFoundError:
+            pass
+    return sorted(found)
+
+
+def restart(args, root: str) -> dict:
+    """Kill rank 1 of a torchrun job after its first committed checkpoint; time the way back to a new step."""
+    out = Path(root) / "run"
+    every, steps = args.ckpt_every, args.ckpt_every + 3
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(TOOLS / "train.py"),
+            "--model", args.model, "--data", "markov", "--batch-size", "8", "--seq-len", "32", "--mesh", "dp=2",
+            "--steps", str(steps), "--ckpt-every", str(every), "--trace-steps", "0", "--quiet", "--resume", "auto",
+            "--out", str(out)]
+    log = open(Path(root) / "torchrun.log", "w")  # noqa: SIM115 - closed below
+    job = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ckpt, metrics = out / "ckpt" / f"step_{every}", out / "metrics.jsonl"
+        deadline = time.monotonic() + 900
+        while not ((ckpt / "metadata.json").exists() and metrics.exists()
+                   and len(metrics.read_text().splitlines()) > every):
+            if job.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"recovery bench: the first run ended early; see {Path(root) / 'torchrun.log'}")
+            time.sleep(0.01)
+        first = _train_ranks(job.pid)
+        killed_at = time.time()
+        os.kill(first[1], signal.SIGKILL)
+        ckpt_bench._evict_files([str(p) for p in ckpt.iterdir()])  # the restarted load reads the disk
+        spawned_at = None
+        while spawned_at is None and job.poll() is None:
+            if set(_train_ranks(job.pid)) - set(first):
+                spawned_at = time.time()
+            time.sleep(0.005)
+        job.wait(timeout=900)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        log.close()
+    if job.returncode != 0 or spawned_at is None:
+        raise SystemExit(f"recovery bench: the restarted run failed; see {Path(root) / 'torchrun.log'}")
+    mark = json.loads((out / "summary.json").read_text())["startup"]
+    nbytes = sum(p.stat().st_size for p in ckpt.iterdir())
+    return {"model": args.model, "checkpoint_MB": round(nbytes / 2**20, 2),
+            "restart_s": round(spawned_at - killed_at, 3), "init_s": round(mark["built_at"] - spawned_at, 3),
+            "load_s": round(mark["loaded_at"] - mark["built_at"], 3),
+            "first_step_s": round(mark["first_step_at"] - mark["loaded_at"], 3),
+            "death_to_first_step_s": round(mark["first_step_at"] - killed_at, 3)}
+
+
+def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int) -> dict:
+    """On 4 ranks: per layout, one save each side, then ``repeat`` cold loads of each (both evicted before each)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from vescale import checkpoint
+
+    rows: dict = {}
+    for layout in layouts:
+        state = ckpt_bench._matrix_state(layout, count, shape, for_dcp=False)
+        dstate = state if layout not in ckpt_bench.DCP_STAND_IN else \
+            ckpt_bench._matrix_state(layout, count, shape, for_dcp=True)
+        v_path, d_path = f"{root}/v-{layout}", f"{root}/d-{layout}"
+        checkpoint.save(v_path, state)
+        dcp.save(dstate, checkpoint_id=d_path)
+        checkpoint.load(v_path, state)  # first calls (imports, plans), untimed
+        dcp.load(dstate, checkpoint_id=d_path)
+        samples: dict[str, list[float]] = {}
+        for _ in range(repeat):
+            ckpt_bench._sample_cold(samples, {"vescale_cold_load": partial(checkpoint.load, v_path, state),
+                                              "dcp_cold_load": partial(dcp.load, dstate, checkpoint_id=d_path)},
+                                    (v_path, d_path))
+        rows[layout] = {k: statistics.median(v) for k, v in samples.items()}
+        if dist.get_rank() == 0:
+            rows[layout]["vescale_bytes"] = ckpt_bench._bytes(v_path)
+            rows[layout]["dcp_bytes"] = ckpt_bench._bytes(d_path)
+            shutil.rmtree(v_path, ignore_errors=True)
+            shutil.rmtree(d_path, ignore_errors=True)
+        dist.barrier()
+        state = dstate = None
+    return rows
+
+
+def cold(args, root: str) -> dict:
+    shape = (1024, 2048)
+    count = max(1, args.size_mb * 2**20 // (shape[0] * shape[1] * 4))
+    layouts = args.layouts.split(",") if args.layouts else list(ckpt_bench.LAYOUTS)
+    unknown = sorted(set(layouts) - set(ckpt_bench.LAYOUTS))
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(ckpt_bench.LAYOUTS)}")
+    rows = spawn(_cold_rows, 4, root, layouts, count, shape, args.repeat)
+    dd = ckpt_bench._dd(root, args.size_mb, streams_list=(4,))
+    rate = dd.get("dd_read_buffered_4x_GBps")
+    out = {"state_MB": round(count * shape[0] * shape[1] * 4 / 2**20, 1), "repeat": args.repeat,
+           "eviction": "posix_fadvise(POSIX_FADV_DONTNEED) on every checkpoint file before each load",
+           "disk_read_buffered_4x_GBps": rate, "disk_read_direct_4x_GBps": dd.get("dd_read_4x_GBps"), "rows": {}}
+    for layout in layouts:
+        r = rows[layout]
+        row = {"vescale_cold_load_s": round(r["vescale_cold_load_s"], 4),
+               "dcp_cold_load_s": round(r["dcp_cold_load_s"], 4),
+               "ratio_cold_vs_dcp": round(r["dcp_cold_load_s"] / r["vescale_cold_load_s"], 2)}
+        if rate:
+            floor = r["vescale_bytes"] / 1e9 / rate
+            row["floor_cold_load_s"] = round(floor, 4)
+            row["cold_fraction_of_read_rate"] = round(floor / r["vescale_cold_load_s"], 3)
+        if layout in ckpt_bench.DCP_STAND_IN:
+            row["dcp_layout"] = ckpt_bench.DCP_STAND_IN[layout]
+        out["rows"][layout] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=256, help="cold-load state in MiB (default 256)")
+    parser.add_argument("--repeat", type=int, default=3, help="cold loads of each side per row (median)")
+    parser.add_argument("--layouts", default="", help="matrix rows, comma-separated (default: all)")
+    parser.add_argument("--model", default="gpt-tiny", help="train.py --model of the restart (default gpt-tiny)")
+    parser.add_argument("--ckpt-every", type=int, default=3, help="the restart run's checkpoint interval")
+    parser.add_argument("--skip-restart", action="store_true", help="only the cold-load matrix")
+    parser.add_argument("--skip-cold", action="store_true", help="only the restart")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="vescale-recovery-", dir=args.dir)
+    result: dict = {"bench": "recovery"}
+    try:
+        if not args.skip_restart:
+            result["restart"] = restart(args, root)
+        if not args.skip_cold:
+            result["cold_load"] = cold(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
