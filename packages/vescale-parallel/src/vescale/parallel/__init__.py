@@ -29,6 +29,7 @@ from vescale.parallel.errors import (
     ContextParallelError,
     DDPError,
     ExpertParallelError,
+    Fp8Error,
     LossParallelError,
     TokenIdError,
     Zero3Error,
@@ -42,6 +43,7 @@ from vescale.parallel.experts import (  # expert parallelism
     keep_local_experts,
     parallelize_experts,
 )
+from vescale.parallel.fp8 import FP8_RECIPES, float8_linears, fp8_linear_fqns, fp8_problems  # FP8 linears
 from vescale.parallel.kv_replicas import replicate_kv_heads  # part 1: TP/SP (GQA, kv heads < tp)
 from vescale.parallel.loss import loss_parallel, vocab_parallel_cross_entropy  # part 1: TP/SP
 from vescale.parallel.matrix_optimizer import DistributedMatrixOptimizer, MatrixOptimizer  # Muon under ZeRO, TP
@@ -73,6 +75,7 @@ __all__ += ["context_parallel", "gather_sequence", "ContextParallelError"]  # co
 __all__ += ["MatrixOptimizer", "DistributedMatrixOptimizer", "matrix_owners", "hidden_matrices"]  # Muon (ZeRO, TP)
 __all__ += ["StepGuard", "skip_nonfinite_steps", "NonFiniteStepError"]  # bad steps skipped on every rank
 __all__ += ["low_precision_state", "state_dtype_of", "STATE_DTYPES"]  # bf16 optimizer state
+__all__ += ["float8_linears", "fp8_linear_fqns", "fp8_problems", "FP8_RECIPES", "Fp8Error"]  # FP8 linears (torchao)
 
 
 def __getattr__(name: str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from vescale.core.errors import VescaleError
 
 __all__ = ["DDPError", "ZeroError", "Zero3Error", "LossParallelError", "CompileError", "ActivationCheckpointError",
-           "DataDependentError", "TokenIdError", "NonFiniteStepError"]
+           "DataDependentError", "TokenIdError", "NonFiniteStepError", "Fp8Error"]
 
 
 class DDPError(VescaleError, ValueError):
@@ -61,3 +61,8 @@ class TokenIdError(VescaleError, IndexError):
 class NonFiniteStepError(VescaleError, RuntimeError):
     """More consecutive optimizer steps had a non-finite loss or gradient norm on some rank than a
     :class:`~vescale.parallel.step_guard.StepGuard` allows (raised on every rank; the state is the last good step's)."""
+
+
+class Fp8Error(VescaleError, ValueError):
+    """FP8 linears (:mod:`vescale.parallel.fp8`) cannot run as asked: torchao missing, a recipe or placement that
+    does not compose, or a device without an fp8 matmul."""
