@@ -57,9 +57,27 @@ def auto_plan(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss_p
     refused - replicated, with the measured difference as the reason - and the plan is remade. The verdicts are in
     ``plan.checks`` and :func:`~vescale.plan.explain`. Pairs that cannot be run keep their evidence-based placement,
     marked unverified. Only the tp mesh size is used: no collective is issued.
+
+    A LoRA (``peft``) model is planned as the model it wraps with its adapters off, then keyed by its own names with
+    each adapter laid out from its base layer (:func:`vescale.plan.lora.lora_plan`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"auto_plan expects an nn.Module, got {type(model).__name__}")
+    from vescale.plan.lora import base_view, is_lora_model, lora_plan
+
+    kw = dict(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, tp=tp, dp=dp,
+              example_args=example_args, example_kwargs=example_kwargs, trace=trace, verify=verify)
+    if is_lora_model(model):  # a peft model: the plan of the model it wraps, the adapters derived from it
+        with base_view(model) as inner:
+            plan = _auto_plan(inner, mesh, **kw)
+        return lora_plan(model, plan, mesh)
+    return _auto_plan(model, mesh, **kw)
+
+
+def _auto_plan(model: nn.Module, mesh, *, sequence_parallel: bool, loss_parallel: bool, tp: str, dp: str | None,
+               example_args: tuple | None, example_kwargs: dict | None, trace: ModelTrace | None,
+               verify: bool) -> AutoPlan:
+    """:func:`auto_plan` of a model that is not a LoRA model (or one whose adapters are off)."""
     names = tuple(mesh.mesh_dim_names or (("tp",) if mesh.ndim == 1 else ()))
     if len(names) != mesh.ndim:
         raise MeshError(f"auto_plan needs a mesh with named dims (e.g. init_mesh({{'dp': 2, 'tp': 2}})), got {mesh}")

@@ -304,12 +304,13 @@ class Parallelized:
 
 def resolve_tp_plan(model: nn.Module, spec: ParallelSpec, mesh, *, sequence_parallel: bool | None = None) -> dict:
     """The plan dict of ``spec.tp_plan`` over ``mesh``: a dict as is, a family of ``vescale.parallel.PLANS``, or
-    ``"auto"`` (:func:`vescale.plan.auto_plan` of ``model``, deferred or on the meta device)."""
+    ``"auto"`` (:func:`vescale.plan.auto_plan` of ``model``, deferred or on the meta device). For a LoRA (peft) model
+    the plan is the unwrapped model's, keyed by the PEFT names with the adapters derived
+    (:func:`vescale.plan.lora.lora_plan`)."""
     from vescale.parallel import PLANS
-    from vescale.plan.lora import base_view, is_lora_model, lora_plan
+    from vescale.plan.lora import is_lora_model, lora_plan
 
     sp = spec.sequence_parallel if sequence_parallel is None else sequence_parallel
-    lora = is_lora_model(model)  # a PEFT model: the plan of the model it wraps, adapters derived from it
     if isinstance(spec.tp_plan, dict):
         plan = spec.tp_plan
     elif spec.tp_plan in PLANS:
@@ -317,12 +318,11 @@ def resolve_tp_plan(model: nn.Module, spec: ParallelSpec, mesh, *, sequence_para
     elif spec.tp_plan != "auto":
         raise SpecError(f"tp_plan {spec.tp_plan!r} is neither 'auto', a plan dict, nor a family of "
                         f"vescale.parallel.PLANS ({sorted(PLANS)})")
-    else:
+    else:  # (auto_plan derives a LoRA model's adapters itself)
         from vescale.plan.auto_plan import auto_plan
 
-        with base_view(model) as inner:
-            plan = auto_plan(inner, mesh, sequence_parallel=sp, dp=None)
-    return lora_plan(model, plan, mesh) if lora else plan
+        return auto_plan(model, mesh, sequence_parallel=sp, dp=None)
+    return lora_plan(model, plan, mesh) if is_lora_model(model) else plan
 
 
 def apply_tp(model: nn.Module, roles: MeshRoles, plan: dict) -> nn.Module:

@@ -174,7 +174,7 @@ def lora_plan(model: nn.Module, plan: dict, mesh=None) -> AutoPlan:
             else:
                 value = adapter_placements(base, kind, fqn=fqn)
             role = "adapter"
-            why = f"{kind} of {format_placements(base)} {base_fqn(base_w, prefix)}"
+            why = f"{kind} of {base_fqn(base_w, prefix)} {format_placements(base)}"
         entries[re.escape(fqn)] = list(value)
         decisions.append(Decision("parameter", fqn, format_placements(value), role, why))
     out = {"parameter": entries}
