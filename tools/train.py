@@ -7,11 +7,10 @@
 
 Out of the box it spawns its own gloo ranks and trains on real text every machine has: this interpreter's standard
 library source, tokenized once by a byte-level BPE trained on it (``prepare_data.py``, cached); ``--data PATH`` takes
-your own text, ``--data markov`` the synthetic corpus of the equivalence tests (``data.py``), ``--data FILE.jsonl
---chat`` conversations in the tokenizer's chat template with only the assistant's tokens trained (``chat_data.py``),
-``--data a:0.7,b:0.3`` a seeded weighted mix of sources. Every rank computes the same global batch of a step from
-``(data, seed, step)`` and takes its slice, so the loss curve (one device's mean over the trained tokens) is the
-single-device curve whatever the mesh, and a run resumed from a checkpoint (which records the data position)
+your own text, ``--data markov`` the synthetic corpus (``data.py``), ``--data FILE.jsonl --chat`` conversations whose
+assistant tokens alone train (``chat_data.py``), ``--data a:0.7,b:0.3`` a seeded mix. Every rank computes the same
+global batch of a step from ``(data, seed, step)`` and takes its slice, so the loss curve (one device's token mean) is
+the single-device curve whatever the mesh, and a run resumed from a checkpoint (which records the data position)
 continues it exactly.
 
 The job, top to bottom: the flags become a ``vescale.plan.ParallelSpec`` (``config.py``; checked before any rank
