@@ -100,7 +100,8 @@ def prepare_chat(data: str | Path, tokenizer: str | Path, *, field: str = "messa
 
     path = Path(data).expanduser()
     if not path.is_file():
-        raise DataError(f"--data {data} --chat: no such file (a .jsonl of conversations)")
+        why = "a directory" if path.is_dir() else "no such file"
+        raise DataError(f"--data {data} --chat: {why} (--chat reads one .jsonl file of conversations)")
     tok = chat_tokenizer(tokenizer)
     digest = hashlib.sha256(json.dumps({"chat": FORMAT, "field": field, "heldout": heldout,
                                         "split_seed": split_seed}).encode() + path.read_bytes())
