@@ -24,7 +24,7 @@ SPEC_FIELDS = {"dims": "mesh", "microbatches": "microbatches", "zero": "zero", "
                "reduce_dtype": "reduce_dtype", "schedule": "schedule", "grad_accum": "grad_accum",
                "sequence_parallel": "sequence_parallel", "compile": "compile",
                "activation_checkpointing": "activation_checkpointing", "split_points": "split_points",
-               "optimizer_state_dtype": "optimizer_state_dtype"}
+               "optimizer_state_dtype": "optimizer_state_dtype", "fp8": "fp8"}
 
 
 @dataclass
@@ -45,6 +45,7 @@ class TrainConfig:
     clip: float = 1.0
     optimizer: str = "adamw"  # adamw | muon: Muon (torch.optim.Muon, owners of whole matrices) for hidden matrices
     optimizer_state_dtype: str = "fp32"  # fp32 | bf16: optimizer state (moments, momenta) kept in bf16, masters fp32
+    fp8: str = "none"  # none | tensorwise | rowwise: torchao Float8Linear hidden linears (vescale.parallel.fp8)
     zero: int = 0  # over dp: 0-2 vescale DDP / DistributedOptimizer, 3 FSDP2 (HSDP on dp_replicate x dp_shard)
     dtype: str = "fp32"  # fp32 | bf16: bf16 parameters and compute over fp32 master weights and optimizer state
     reduce_dtype: str = "fp32"  # the dtype dp gradients are accumulated and reduced in with --dtype bf16
@@ -214,6 +215,9 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
     if cfg.export_hf and not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         problems.append(f"--export-hf needs a Hugging Face model (a model directory or one of "
                         f"{sorted(models.HF_MODELS)}); {cfg.model} has no transformers class")
+    if cfg.fp8 != "none" and cfg.init != "eager":
+        problems.append(f"--fp8 {cfg.fp8} needs --init eager (torchao swaps the linears, which deferred init cannot "
+                        "record)")
     if cfg.optimizer == "muon" and (cfg.dtype != "fp32" or ep > 1 or (pp > 1 and cfg.zero == 3)):
         problems.append(f"--optimizer muon steps fp32 parameters without ep, and ZeRO 0-2 with pp (got --dtype "
                         f"{cfg.dtype}, ep={ep}, pp={pp} with --zero {cfg.zero})")
@@ -281,6 +285,9 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--optimizer-state-dtype", default=d.optimizer_state_dtype, choices=list(DTYPES),
                    help="bf16: AdamW moments (and Muon momenta) kept in bf16 between steps, computed in fp32 over\n"
                         "fp32 master weights (vescale.parallel.low_precision_state): half the state bytes")
+    p.add_argument("--fp8", default=d.fp8, choices=["none", "tensorwise", "rowwise"],
+                   help="hidden linears as torchao Float8Linear (dynamic scaling; needs vescale-parallel[fp8]);\n"
+                        "with --zero 3, tensorwise and no tp their weights are all-gathered in fp8")
     p.add_argument("--zero", type=int, default=d.zero, choices=[0, 1, 2, 3],
                    help="ZeRO stage over dp: 1 optimizer states, 2 + gradients (vescale DistributedOptimizer),\n"
                         "3 + parameters (torch FSDP2 per block). HSDP: --zero 3 on a mesh naming\n"

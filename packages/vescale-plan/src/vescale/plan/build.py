@@ -4,6 +4,7 @@ order, and return the training-loop interface (:class:`Parallelized`) that is th
 The order (each step a function of this module, skipped when its mesh dim or field is off):
 
 1. ``dtype``: the model is cast to bf16 before anything splits it (ZeRO 3 without pp keeps fp32 masters in FSDP2);
+   ``fp8``: its hidden linears become torchao ``Float8Linear`` s (``vescale.parallel.float8_linears``);
 2. the model is laid out: pipeline stages (:func:`apply_pp`, tensor-parallel inside each, the cp attention and the
    experts operator installed before the split), or experts over ep (:func:`apply_ep`), or tensor parallel
    (:func:`apply_tp`), or a deferred model materialised (dp replicas share the init);
@@ -449,6 +450,14 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
     if spec.dtype != "fp32" and (spec.zero != 3 or pp > 1):  # (ZeRO 3: FSDP2's policy casts fp32 shards)
         with record_deferred(model) if is_deferred(model) else contextlib.nullcontext():
             model.to(_dtype(spec.dtype))
+    if spec.fp8 != "none":  # before any split: TP shards the Float8Linears' weights, FSDP2 gathers them
+        from vescale.parallel import float8_linears
+
+        if is_deferred(model):  # torchao swaps modules and wraps weights: ops deferred_init cannot record
+            raise SpecError(f"fp8 {spec.fp8!r} needs an eagerly built model (tools/train.py --init eager); this one "
+                            "is recorded by deferred_init")
+        float8_linears(model, spec.fp8, tp=roles.tp.size,
+                       fsdp_float8_all_gather=spec.fp8 == "tensorwise" and spec.zero == 3 and roles.tp.size == 1)
     params = inspect.signature(model.forward).parameters
     out = Parallelized(spec, roles, [model], loss_fn=loss_fn, _by_name="input_ids" in params,
                        _input_name="input_ids" if "input_ids" in params else next(iter(params), "input_ids"))

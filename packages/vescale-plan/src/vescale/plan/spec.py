@@ -50,6 +50,9 @@ class ParallelSpec:
     - ``optimizer_state_dtype``: ``fp32`` or ``bf16``: the dtype :meth:`Parallelized.make_optimizer`'s optimizer
       keeps its state (AdamW moments, momenta) in between steps; master weights stay fp32
       (``vescale.parallel.low_precision_state``).
+    - ``fp8``: ``none``, ``tensorwise`` or ``rowwise``: the hidden linears become torchao ``Float8Linear`` s before
+      any split (``vescale.parallel.float8_linears``; under ZeRO 3 with tensorwise and tp 1 their weights are
+      all-gathered in fp8); refused where it does not compose (``vescale.parallel.fp8_problems``).
     - ``document_mask``: packed rows with document ids (``Parallelized.forward_backward(..., documents=)``): each
       token attends only within its document, positions restarting per document (``vescale.plan.documents``); a
       pipeline is captured with those inputs.
@@ -68,6 +71,7 @@ class ParallelSpec:
     activation_checkpointing: str = "none"
     compile: bool = False
     optimizer_state_dtype: str = "fp32"
+    fp8: str = "none"
     document_mask: bool = False
 
     # -- derived sizes ----------------------------------------------------------------------------------------------
@@ -134,6 +138,7 @@ class ParallelSpec:
         out += _data_parallel_problems(self)
         out += _pipeline_problems(self)
         out += _context_parallel_problems(self, seq_len)
+        out += _fp8_problems(self)
         out += _expert_parallel_problems(self)
         if batch_size is not None:
             out += _batch_problems(self, batch_size)
@@ -220,6 +225,16 @@ def _context_parallel_problems(spec: ParallelSpec, seq_len: int | None) -> list[
                    f"activation checkpointing); not with {', '.join(other) or 'ep/HSDP'}, or compile (cp under "
                    f"torch.compile is not verified against one device yet)")
     return out
+
+
+def _fp8_problems(spec: ParallelSpec) -> list[str]:
+    if spec.fp8 == "none":
+        return []
+    from vescale.core.launch import rank_device
+    from vescale.parallel import fp8_problems
+
+    return fp8_problems(spec.fp8, tp=spec.size("tp"), pp=spec.size("pp"), ep=spec.size("ep"), cp=spec.size("cp"),
+                        device_type=rank_device().type)
 
 
 def _expert_parallel_problems(spec: ParallelSpec) -> list[str]:
