@@ -284,3 +284,44 @@ def test_backward_of_a_view_whose_gradient_is_not_viewable(world_size):
             loss.backward()
         assert torch.equal(x.grad.full_tensor(), ref_in.grad), x.grad.placements
         assert torch.equal(x.grad.to_local(), local_slice(ref_in.grad, mesh, x.grad.placements)), x.grad.placements
+
+
+@multi_rank(world_sizes=[2])
+def test_view_of_an_empty_tensor_returns_or_is_refused_by_name(world_size):
+    """torch's dim map of ``view``/``reshape`` never returns for some empty shapes (``[0]`` as ``[0, 3]``, ``[4, 0]``
+    unflattened to ``[4, 2, 0, 0, 0]``): replicated or partial, the view is the local view (one device's result, no
+    collective); sharded, it is refused with ``PlacementError`` naming the op and shape, on every rank."""
+    import pytest
+    import torch
+
+    from vescale.dtensor import (
+        Partial,
+        PlacementError,
+        Replicate,
+        Shard,
+        count_comms,
+        distribute_tensor,
+        from_local,
+        init_device_mesh,
+    )
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for shape, size in (((0,), (0, 3)), ((4, 0), (4, 2, 0, 0, 0)), ((4, 0), (2, 2, 0)), ((2, 0, 3), (0, 6))):
+        full = torch.zeros(shape)
+        want = full.view(size)
+        for placement in (Replicate(), Partial()):
+            x = from_local(full.clone(), mesh, [placement], shape=full.shape)
+            with count_comms() as comms:
+                out = x.view(size)
+                unflat = x.reshape(size)
+            assert comms.total == 0, (shape, size, comms.counts)
+            for y in (out, unflat):
+                assert y.shape == want.shape and tuple(y.placements) == (placement,), (shape, size, y.placements)
+                assert y.to_local().shape == want.shape
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        with pytest.raises((RuntimeError, PlacementError)) as err:
+            x.view(size)
+        cause = err.value
+        while cause is not None and not isinstance(cause, PlacementError):
+            cause = cause.__cause__
+        assert cause is not None and "empty" in str(cause) and str(tuple(shape)) in str(cause), err.value

@@ -36,6 +36,9 @@ a refused ``view`` issued inside autograd's backward, a gradient reshaped by a d
 (re-raised by torch's dispatcher as ``RuntimeError`` with its message) naming the op, shape, placement and mesh dim:
 torch would treat the unknown placement like ``Replicate`` and return wrong values or fail on a local shape.
 
+An empty input of ``view``/``reshape`` takes :func:`vescale.dtensor._empty_view.empty_view_strategy` (torch's dim map
+never returns for some empty shapes): viewed as it is where replicated or partial, refused by name where sharded.
+
 This is the one module that reaches into torch's private view-rule machinery (``_view_ops.dim_maps`` for the dim
 mapping of each op, ``propagate_shape_and_sharding`` for the non-interleaved mesh dims, and the sharding
 propagator's strategy table to wrap torch's strategies): torch offers no public hook for sharding rules.
@@ -74,6 +77,7 @@ from vescale.core.torch_internals import (
 )
 from vescale.core.torch_internals import StridedShard as _StridedShard
 from vescale.core.torch_internals import view_ops as _view_ops
+from vescale.dtensor._empty_view import RESHAPE_DIM_MAPS, empty_view_strategy
 from vescale.dtensor.errors import PlacementError, ViewRedistributeError
 from vescale.dtensor.layout import local_dim_indices, local_shape
 from vescale.dtensor.placements import RaggedShard
@@ -485,6 +489,8 @@ def _placed_view_strategy(op: OpOverload, dim_map: Callable, strict_view: bool, 
         if not isinstance(input_strategy, OpStrategy):
             return torch_strategy(op_schema)
         in_shape = tuple(input_strategy.shape)
+        if dim_map in RESHAPE_DIM_MAPS and any(isinstance(n, int) and n == 0 for n in in_shape):
+            return empty_view_strategy(op, input_strategy, op_schema)  # (torch's dim map would never return)
         sizes = [*in_shape, *(a for arg in op_schema.args_schema[1:]
                               for a in (arg if isinstance(arg, (list, tuple)) else (arg,)))]
         if any(isinstance(n, torch.SymInt) for n in sizes):
