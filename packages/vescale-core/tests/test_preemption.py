@@ -110,3 +110,15 @@ def test_a_signal_to_a_rank_blocked_in_a_collective_exits_after_the_grace():
         for rank in ranks:
             rank.kill()
             rank.wait()
+
+
+def test_a_signal_never_agreed_goes_to_the_previous_handler_on_exit():
+    """The block ends (here without a should_stop; in a job, a collective error after a peer died) with a signal
+    noted but not agreed: leaving the guard raises it again, and the default action ends the process."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal\nfrom vescale.core.preemption import PreemptionGuard\n"
+            "with PreemptionGuard(['SIGUSR1']):\n    os.kill(os.getpid(), signal.SIGUSR1)\nprint('survived')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGUSR1 and "survived" not in done.stdout, (done.returncode, done.stderr)

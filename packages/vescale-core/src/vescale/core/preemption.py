@@ -95,6 +95,10 @@ class PreemptionGuard:
         return self
 
     def __exit__(self, *exc) -> None:
+        """Restore the previous handlers. A signal noted but never agreed as a stop (the block ended first, e.g. on a
+        collective error after a peer died) is raised again for them: under a launcher's SIGTERM the default action
+        ends the process now instead of after whatever the caller does next (a hang diagnosis, a final wait)."""
+        entered = bool(self._previous)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -104,6 +108,9 @@ class PreemptionGuard:
             self._settled.set()
             signal.set_wakeup_fd(previous)
             os.close(write)  # the watch reads end-of-file and ends (it closes the read end)
+        if entered and self.received is not None and not self.stopping:
+            pending, self.received = self.received, None
+            signal.raise_signal(pending)
 
     def _watch(self, read: int) -> None:
         """Grace thread: woken by the C-level signal handler (the wakeup fd gets each signal's number), even while the
