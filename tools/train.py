@@ -183,7 +183,9 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         res.resumed(progress)  # the bad steps of the run so far
     window = TimelineWindow(mesh, start, cfg.steps, cfg.trace_steps, out / "timeline.json")
     tokens_per_step, t_start = cfg.batch_size * cfg.seq_len, time.perf_counter()
-    comm_step, comms = min(start + 1, cfg.steps - 1), None  # collectives counted on one warm step
+    # collectives counted on one warm step; not under --compile: the counter is a dispatch mode, under which dynamo
+    # retraces the compiled blocks and fails (tp: factory capture, dp: "non-infra torch dispatch mode present")
+    comm_step, comms = (-1 if cfg.compile else min(start + 1, cfg.steps - 1)), None
     try:  # the signal handlers and patches go back even when the loop raises (a pooled rank lives on)
         for step in range(start, cfg.steps):
             window.before(step)
