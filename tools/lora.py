@@ -63,9 +63,9 @@ def lora_problems(cfg) -> list[str]:
                    "> 0 and dropout in [0, 1)")
     if not lora["targets"]:
         out.append("--lora names no targets (targets=q_proj,k_proj,...)")
-    for dim in ("pp", "ep", "cp"):
+    for dim in ("pp", "ep", "cp"):  # (vescale.plan.build takes a LoRA model on pp; this job's load and export not)
         if cfg.dims.get(dim, 1) > 1:
-            out.append(f"--lora with {dim}={cfg.dims[dim]} is not supported yet (LoRA runs on dp, tp and ZeRO 0-3)")
+            out.append(f"--lora with {dim}={cfg.dims[dim]} is not supported yet (--lora runs on dp, tp and ZeRO 0-3)")
     if not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         out.append(f"--lora needs a transformers model (--model DIR or one of {sorted(models.HF_MODELS)}); "
                    f"{cfg.model} is not one")

@@ -1,4 +1,5 @@
-"""A PEFT (LoRA) Llama through ``vescale.plan.build`` on tp and dp x tp (ZeRO 1, 3), against one device's PEFT model.
+"""A PEFT (LoRA) Llama through ``vescale.plan.build`` on tp, pp and dp x tp (ZeRO 1, 2, 3), against one device's PEFT
+model.
 
 Each case: the adapters' data-averaged gradients after one step (rtol 1e-5: sums in another order) and the adapters
 after two AdamW steps equal one device's; the frozen base weights get no gradient and no optimizer state; and
@@ -19,14 +20,14 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 ADAMW = {"lr": 0.01, "weight_decay": 0.0}
 
 
-def _peft_llama():
+def _peft_llama(use_cache: bool = True):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=use_cache)
     model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
     with torch.no_grad():  # lora_B starts at zero; nonzero makes lora_A's gradient a real check
         for name, p in model.named_parameters():
@@ -50,8 +51,9 @@ def _run(mesh: dict, zero: int, tp_plan: str = "llama") -> None:
     from vescale.plan import ParallelSpec, build
 
     what = f"{mesh} zero{zero} {tp_plan}"
-    ref = _peft_llama()
-    par = build(_peft_llama(), ParallelSpec(mesh=mesh, zero=zero, tp_plan=tp_plan), loss_fn=_loss,
+    cache = "pp" not in mesh  # (a pipeline captures the logits only)
+    ref = _peft_llama(cache)
+    par = build(_peft_llama(cache), ParallelSpec(mesh=mesh, zero=zero, tp_plan=tp_plan), loss_fn=_loss,
                 batch_size=BATCH, seq_len=SEQ)
     opt = par.make_optimizer(torch.optim.AdamW, **ADAMW)
     named = dict(ref.named_parameters())
@@ -62,11 +64,13 @@ def _run(mesh: dict, zero: int, tp_plan: str = "llama") -> None:
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
-    model = par.modules[0]
-    assert len(par.parameters()) == len(trained), what  # what the optimizer and clipping see
+    held = {n: p for m in par.modules for n, p in m.named_parameters()}  # (pp: this rank's stage)
+    mine = trained & set(held)
+    assert mine and all(".lora_" in n or not p.requires_grad for n, p in held.items()), what
+    assert len(par.parameters()) == len(mine), what  # what the optimizer and clipping see
     if par.ddp is not None:  # gradient buckets: the adapters only (no frozen weight is reduced)
-        assert {slot.fqn for slot in par.ddp.slots.values()} == trained, what
-    for name, p in model.named_parameters():  # the adapters' layout, derived from their base layer's
+        assert {slot.fqn for slot in par.ddp.slots.values()} == mine, what
+    for name, p in held.items():  # the adapters' layout, derived from their base layer's
         if "tp" in mesh and isinstance(p, DTensor) and ".lora_" in name:
             tp = p.placements[p.device_mesh.mesh_dim_names.index("tp")]
             column = any(f".{c}." in name for c in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
@@ -79,23 +83,27 @@ def _run(mesh: dict, zero: int, tp_plan: str = "llama") -> None:
         grads = par.grads()
         ref_opt.zero_grad()
         _loss(ref(input_ids=inputs), targets).backward()
-        assert set(grads) == trained, (what, sorted(set(grads) ^ trained)[:4])
+        assert set(grads) == mine, (what, sorted(set(grads) ^ mine)[:4])
         if step == 0:
-            for n in trained:
+            for n in mine:
                 torch.testing.assert_close(full(grads[n]), named[n].grad, rtol=1e-5, atol=1e-6,
                                            msg=f"{what} grad {n}")
-            for n, p in model.named_parameters():
+            for n, p in held.items():
                 assert p.grad is None or ".lora_" in n, f"{what}: frozen {n} has a gradient"
         opt.step()
         ref_opt.step()
-    for n, p in model.named_parameters():
+    from vescale.plan.lora import has_adapters
+
+    assert has_adapters(par.held) and set(par.state()["model"]) == mine, what  # a checkpoint: the adapters only
+    for n, p in held.items():
         torch.testing.assert_close(full(p), named[n].detach(), rtol=1e-5, atol=1e-6, msg=f"{what} after 2 steps {n}")
 
 
 @multi_rank(world_sizes=[2])
-def test_lora_tp2():
+def test_lora_tp2_and_pp2():
     _run({"tp": 2}, 0)
     _run({"tp": 2}, 0, tp_plan="auto")
+    _run({"pp": 2}, 0)
 
 
 @multi_rank(world_sizes=[4])

@@ -274,10 +274,10 @@ class Parallelized:
         model as :attr:`modules` holds it (with pp x ep the stages' plain expert rows are marked as boxes of the global
         tensors, which a checkpoint, the optimizer's sharded state and a plain optimizer's state follow). A LoRA
         model's ``"model"`` is its adapters only (``{fqn: parameter}``: :func:`vescale.plan.lora.adapter_state`)."""
-        from vescale.plan.lora import adapter_state, is_lora_model
+        from vescale.plan.lora import adapter_state, has_adapters
 
         model = self.held
-        if self.engine is None and is_lora_model(model):  # a LoRA model: its adapters (the base stays as loaded)
+        if has_adapters(model):  # a LoRA model: its adapters (the base stays as loaded)
             model = adapter_state(model)
         return {"model": model} if optimizer is None else {"model": model, "optim": optimizer}
 
@@ -439,8 +439,8 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
     pp, ep, cp = roles.pp.size, roles.ep.size, roles.cp.size
     from vescale.plan.lora import is_lora_model
 
-    if is_lora_model(model) and (pp > 1 or ep > 1 or cp > 1):
-        raise SpecError(f"a LoRA (peft) model runs on dp, tp and ZeRO 0-3; pp={pp}, ep={ep}, cp={cp} are not "
+    if is_lora_model(model) and (ep > 1 or cp > 1):
+        raise SpecError(f"a LoRA (peft) model runs on dp, tp, pp and ZeRO 0-3; ep={ep} and cp={cp} are not "
                         "supported yet")
     if ep > 1 and "dp" not in roles.mesh.mesh_dim_names and (pp > 1 or spec.zero or spec.dtype != "fp32"):
         raise SpecError(f"mesh {roles.mesh.mesh_dim_names}: ep with pp, ZeRO or bf16 reduces through DDP over dp x "

@@ -33,8 +33,8 @@ from vescale.core.placement_format import format_placements
 from vescale.plan.decisions import AutoPlan, Decision
 from vescale.plan.spec import SpecError
 
-__all__ = ["is_lora_model", "lora_layers", "lora_plan", "adapter_placements", "adapter_state", "base_fqn", "base_view",
-           "inner_prefix"]
+__all__ = ["is_lora_model", "has_adapters", "lora_layers", "lora_plan", "adapter_placements", "adapter_state",
+           "base_fqn", "base_view", "inner_prefix"]
 
 _ADAPTERS = ("lora_A", "lora_B")
 # LoRA variants whose extra tensors have no placement rule here (DoRA's magnitudes, embedding adapters, ...)
@@ -116,11 +116,19 @@ def base_view(model: nn.Module):
             p.requires_grad_(flag)
 
 
-def adapter_state(model: nn.Module) -> dict[str, nn.Parameter]:
-    """What a checkpoint of LoRA model ``model`` holds: ``{fqn: parameter}`` of the parameters that train (the
-    adapters, as laid out: DTensors over tp, FSDP2 shards), which ``vescale.checkpoint`` saves and loads in place on any
-    mesh. The frozen base weights are not in it (they come from the base model's weights)."""
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+def has_adapters(modules: nn.Module | list[nn.Module]) -> bool:
+    """Whether ``modules`` (a model, or pipeline stages, which keep the model's FQNs) hold LoRA adapters: a
+    ``<layer>.lora_A.<adapter>.weight`` beside its ``<layer>.base_layer.weight``."""
+    names = {n for m in (modules if isinstance(modules, list) else [modules]) for n, _ in m.named_parameters()}
+    return any(n.partition(".lora_A.")[0] + ".base_layer.weight" in names for n in names if ".lora_A." in n)
+
+
+def adapter_state(modules: nn.Module | list[nn.Module]) -> dict[str, nn.Parameter]:
+    """What a checkpoint of a LoRA model holds: ``{fqn: parameter}`` of the parameters that train (the adapters, as
+    laid out: DTensors over tp, FSDP2 shards, this rank's pipeline stages'), which ``vescale.checkpoint`` saves and
+    loads in place on any mesh. The frozen base weights are not in it (they come from the base model's weights)."""
+    return {n: p for m in (modules if isinstance(modules, list) else [modules]) for n, p in m.named_parameters()
+            if p.requires_grad}
 
 
 def lora_plan(model: nn.Module, plan: dict, mesh=None) -> AutoPlan:
@@ -220,7 +228,9 @@ def _move_boundaries(model: nn.Module, section: dict, prefix: str, layers: dict[
         if prefix and not (fqn + ".").startswith(prefix):
             continue  # the PEFT wrappers above the inner model
         names[fqn] = fqn[len(prefix):] if prefix and fqn + "." != prefix else ("" if prefix else fqn)
-    # a boundary written on auto_plan's base_layer names belongs to the LoRA layer
-    patterns = {re.sub(r"(\\\.|\.)base_layer$", "", p): v for p, v in section.items()}
+    # a boundary written on auto_plan's base_layer names belongs to the LoRA layer; one on an adapter's own module
+    # (a module-tree fallback plan sees them) is inside it: the LoRA layer's boundary governs
+    patterns = {re.sub(r"(\\\.|\.)base_layer$", "", p): v for p, v in section.items()
+                if not re.search(r"(\\\.|\.)(lora_[A-Za-z_]+)(\\\.|\.|$)", p)}
     matches = match_plan(patterns, set(names.values()), what=f"plan section {kind!r} (module patterns)")
     return {re.escape(fqn): matches[name].value for fqn, name in names.items() if name in matches}
