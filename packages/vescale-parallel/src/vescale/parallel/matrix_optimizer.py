@@ -197,9 +197,10 @@ class DistributedMatrixOptimizer(DistributedOptimizer):
     The matrices' gradients are the DDP buffers' (ZeRO 1 without clipping: every dp rank holds them whole, so only
     the tp gather moves them; ZeRO 2, or ZeRO 1 with clipping: the owner gathers the clipped flat pieces); their new
     values are scattered back into every rank's master piece and leave with the bucket all-gather of the step, with
-    the rest. TP: DTensors ``Shard(d)``/``Replicate`` on a 1-D tp mesh. Not supported (raised at construction):
-    DDP ``data_dims`` (ep), parameters other than fp32. ``state_dtype``: both optimizers' state dtype between steps
-    (:func:`vescale.parallel.low_precision_state`).
+    the rest. TP: DTensors ``Shard(d)``/``Replicate`` on a 1-D tp mesh. bf16 parameters: the owners gather and step
+    the fp32 master pieces (the bf16 parameters follow from the bucket all-gather), with fp32 gradients. Not
+    supported (raised at construction): DDP ``data_dims`` (ep), gradients reduced in bf16. ``state_dtype``: both
+    optimizers' state dtype between steps (:func:`vescale.parallel.low_precision_state`).
     """
 
     def __init__(self, module, matrix: torch.optim.Optimizer, rest: torch.optim.Optimizer, *, zero_stage: int = 1,
@@ -216,7 +217,10 @@ class DistributedMatrixOptimizer(DistributedOptimizer):
                 if piece is None:
                     raise ZeroError(f"matrix optimizer group {gi} holds a tensor of shape {tuple(p.shape)} that is "
                                     "not a gradient-requiring parameter of the DDP module")
-                _check_matrix(piece.fqn, p)
+                _check_matrix(piece.fqn, p, fp32_master=piece.master.dtype == torch.float32)
+                if piece.grad.dtype != torch.float32:
+                    raise ZeroError(f"matrix optimizer: parameter {piece.fqn!r} has {piece.grad.dtype} gradients "
+                                    "(DDP's grad dtype, reduce_dtype); Muon's owners gather fp32 gradients")
                 slot = piece.slot
                 reduction = slot.bucket.buffer.reduction
                 if reduction.summed:
@@ -237,7 +241,9 @@ class DistributedMatrixOptimizer(DistributedOptimizer):
                     piece.fqn, p, gi, tuple(p.shape), sharded_dim, tp_sizes, ranges,
                     grad_piece=lambda piece=piece: piece.grad, param_piece=lambda piece=piece: piece.master,
                     grad_local=(lambda slot=slot: slot.view().reshape(-1)) if whole else None,
-                    param_local=_data_of(p)))
+                    # a low-precision parameter's owner gathers and steps the fp32 master pieces instead
+                    param_local=_data_of(p) if piece.aliased else (
+                        (lambda piece=piece: piece.master) if zero_stage == 0 else None)))
         dp_group = reduction.group if reduction is not None else None
         dp_size = reduction.size if reduction is not None else 1
         dp_rank = reduction.rank if reduction is not None else 0

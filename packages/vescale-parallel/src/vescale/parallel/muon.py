@@ -383,13 +383,14 @@ def _hparams(group: dict) -> dict[str, Any]:
             for k, v in group.items() if k != "params"}
 
 
-def _check_matrix(fqn: str, p: torch.Tensor) -> None:
+def _check_matrix(fqn: str, p: torch.Tensor, *, fp32_master: bool = False) -> None:
     if p.ndim != 2:
         raise ZeroError(f"matrix optimizer: parameter {fqn!r} has shape {tuple(p.shape)}; only 2-D parameters "
                         "can be in its groups (put the rest in the elementwise optimizer)")
-    if p.dtype != torch.float32:
+    if p.dtype != torch.float32 and not fp32_master:
         raise ZeroError(f"matrix optimizer: parameter {fqn!r} is {p.dtype}; the distributed Muon steps fp32 "
-                        "parameters only (bf16 masters are not supported yet)")
+                        "weights: low-precision parameters need fp32 masters (DistributedMatrixOptimizer over a "
+                        "DistributedDataParallel, ZeRO 0-2) or FSDP2's fp32 shards (ZeRO 3 with a bf16 policy)")
 
 
 def _grad_of(p: torch.Tensor) -> Callable[[], torch.Tensor]:

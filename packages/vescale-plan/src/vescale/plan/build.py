@@ -198,8 +198,8 @@ class Parallelized:
         default :func:`vescale.parallel.hidden_matrices`: not embeddings nor the head) with ``**kw``; the other
         parameters go to ``rest = (cls, kwargs)`` (default AdamW with ``kw``'s ``lr``), grouped by
         ``param_groups``. It is stepped by whole-matrix owners (:mod:`vescale.parallel.muon`): a
-        ``DistributedMatrixOptimizer`` for ZeRO 1/2, else a ``MatrixOptimizer`` (ZeRO 0, ZeRO 3 over FSDP2's
-        shards); fp32 parameters only.
+        ``DistributedMatrixOptimizer`` for ZeRO 1/2 and bf16 (fp32 masters), else a ``MatrixOptimizer`` (ZeRO 0,
+        ZeRO 3 over FSDP2's fp32 shards); gradients in fp32.
 
         ``skip_nonfinite``: every rank skips a step whose loss (from :meth:`forward_backward`) or gradients are not
         finite on any rank (:func:`vescale.parallel.skip_nonfinite_steps`: one one-element all-reduce over the world
@@ -232,9 +232,9 @@ class Parallelized:
     def _make_matrix_optimizer(self, cls: type, params: list, param_groups, clip_grad, rest, matrices, kw):
         from vescale.parallel import DistributedMatrixOptimizer, MatrixOptimizer, hidden_matrices
 
-        if self.spec.dtype != "fp32":
-            raise SpecError(f"{cls.__name__} through make_optimizer steps fp32 parameters only; spec dtype is "
-                            f"{self.spec.dtype!r}")
+        if self.spec.dtype != "fp32" and self.spec.reduce_dtype != "fp32":
+            raise SpecError(f"{cls.__name__} through make_optimizer needs fp32 gradients; spec reduce_dtype is "
+                            f"{self.spec.reduce_dtype!r}")
         if self.roles.ep.size > 1:
             raise SpecError(f"{cls.__name__} through make_optimizer does not support ep={self.roles.ep.size}")
         names = {}
@@ -248,7 +248,7 @@ class Parallelized:
         rest_cls, rest_kw = rest if rest is not None else (torch.optim.AdamW, {"lr": kw.get("lr", 1e-3)})
         matrix = cls(mats, **kw)
         other = rest_cls(param_groups(others) if param_groups is not None else others, **rest_kw)
-        if self.ddp is not None and self.spec.zero in (1, 2):
+        if self.ddp is not None and (self.spec.zero in (1, 2) or self.spec.dtype != "fp32"):  # (bf16: fp32 masters)
             return DistributedMatrixOptimizer(self.ddp, matrix, other, zero_stage=self.spec.zero,
                                               clip_grad=clip_grad, pp_group=self.roles.pp.group,
                                               state_dtype=self.spec.optimizer_state_dtype)

@@ -1,0 +1,105 @@
+"""Muon with bf16 parameters (DistributedMatrixOptimizer over fp32 masters) against one device's fp32 masters
+stepped by torch.optim.Muon + AdamW.
+
+As in test_muon.py, every gradient is a dp average of constants that are multiples of 1/8 in [-2, 2] (the loss is
+``sum(p * C)``), exact in bf16 and in fp32 in any order, so the parallel fp32 gradients are bitwise one device's; the
+owners step the fp32 master pieces they gather with torch's own Muon. After two steps every master piece must be
+*bitwise* the reference's fp32 weight, and every bf16 parameter its bf16 rounding. dp=2, ZeRO 0, 1 and 2.
+"""
+
+from __future__ import annotations
+
+from vescale.core.testing import multi_rank
+
+MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
+ADAMW = {"lr": 0.01, "weight_decay": 0.1}
+SHAPES = {"a": (24, 16), "b": (8, 24), "c": (32, 8)}
+
+
+def _net():
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, (m, n) in SHAPES.items():
+                setattr(self, name, nn.Linear(n, m, bias=name == "b"))
+
+        def forward(self, consts: dict):
+            return sum((p * consts[name]).sum() for name, p in self.named_parameters())
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _consts(step: int, rank: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {name: torch.randint(-16, 17, tuple(p.shape), generator=g).float() / 8
+            for name, p in _net().named_parameters()}
+
+
+def _reference(dp: int, steps: int = 2) -> dict:
+    """One device: fp32 weights starting from the bf16 model's values (its masters' start), Muon on the matrices,
+    AdamW on the biases."""
+    import torch
+
+    net = _net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    mats = [getattr(net, n).weight for n in SHAPES]
+    rest = [p for p in net.parameters() if all(p is not m for m in mats)]
+    muon, adamw = torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)
+    for step in range(steps):
+        consts = [_consts(step, r) for r in range(dp)]
+        for name, p in net.named_parameters():
+            p.grad = sum(c[name] for c in consts) / dp
+        muon.step()
+        adamw.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+@multi_rank(world_sizes=[2])
+def test_muon_bf16_params_dp2_zero012_bitwise():
+    import torch
+
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedMatrixOptimizer
+
+    mesh = init_mesh({"dp": 2})
+    want = _reference(2)
+    for zero in (0, 1, 2):
+        ddp = DistributedDataParallel(_net().to(torch.bfloat16), mesh,
+                                      DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
+        mats = [getattr(ddp.module, n).weight for n in SHAPES]
+        rest = [p for p in ddp.module.parameters() if all(p is not m for m in mats)]
+        opt = DistributedMatrixOptimizer(ddp, torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW),
+                                         zero_stage=zero)
+        for step in range(2):
+            opt.zero_grad()
+            ddp(_consts(step, mesh.get_local_rank())).backward()
+            opt.step()
+        for name, p in ddp.module.named_parameters():
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(p.detach(), want[name].to(torch.bfloat16)), f"zero {zero} {name}"
+        for piece in opt.pieces.values():
+            ref = want[piece.fqn].reshape(-1)[piece.lo:piece.hi]
+            assert piece.master.dtype == torch.float32
+            assert torch.equal(piece.master, ref), f"zero {zero} master of {piece.fqn}"
+
+
+def test_muon_refuses_bf16_gradients_by_name():
+    """bf16 parameters whose gradients DDP reduces in bf16: refused naming the parameter (no process group needed
+    for the check: one rank, no mesh)."""
+    import pytest
+    import torch
+
+    from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedMatrixOptimizer, ZeroError
+
+    ddp = DistributedDataParallel(_net().to(torch.bfloat16), None, DDPOptions(zero_stage=0, grad_dtype=None))
+    mats = [getattr(ddp.module, n).weight for n in SHAPES]
+    with pytest.raises(ZeroError, match=r"'a.weight' has torch.bfloat16 gradients"):
+        DistributedMatrixOptimizer(ddp, torch.optim.Muon(mats), torch.optim.AdamW([ddp.module.b.bias]), zero_stage=0)
