@@ -209,11 +209,16 @@ def test_save_failing_on_one_rank_goes_on_with_continue_and_a_slow_rank_is_named
     summary.json); the per-rank table shows rank 1 busy and rank 0 waiting in collectives, and names rank 1 slow."""
     from faults import ENV_VAR
 
+    monkeypatch.setenv(ENV_VAR, "save_error=1@2")  # the default, --on-save-error stop: every rank raises, naming it
+    with spawn_on_pool(), pytest.raises(RankError, match=r"rank 1 failed writing \S*step_2/data-\w+-r00001"
+                                                         r"\.safetensors: OSError\(28, 'No space left on device'\)"):
+        train.main([*COMMON, "--steps", "3", "--ckpt-every", "2", "--quiet", "--out", str(tmp_path / "stop")])
+
     monkeypatch.setenv(ENV_VAR, "save_error=1@2,slow=1:0.2")
     out = tmp_path / "run"
     with spawn_on_pool():
         summary = train.main([*COMMON, "--steps", "6", "--ckpt-every", "2", "--on-save-error", "continue", "--quiet",
-                              "--out", str(out)])
+                              "--trace-steps", "1", "--out", str(out)])
     assert summary["save_errors"] == 1 and len(_records(out)) == 6
     assert not (out / "ckpt" / "step_2" / "metadata.json").exists()
     assert [p.name for p in resilience.checkpoints_newest_first(out)] == ["step_6", "step_4", "step_2"]
@@ -225,6 +230,7 @@ def test_save_failing_on_one_rank_goes_on_with_continue_and_a_slow_rank_is_named
     assert slow["busy_s"]["p50"] >= 0.2 > fast["busy_s"]["p50"], summary["ranks"]
     assert fast["collective_wait_s"]["p50"] >= 0.1 > slow["collective_wait_s"]["p50"], summary["ranks"]
     assert summary["slow_ranks"] == [1]
+    assert json.loads((out / "timeline.json").read_text())["otherData"]["ranks"] == summary["ranks"]
     assert all(r["step_s"]["p50"] <= r["step_s"]["p90"] <= r["step_s"]["max"] for r in summary["ranks"])
 
 
