@@ -192,3 +192,5 @@ def test_documents_without_the_spec_field_are_refused():
     par = build(_gpt(), ParallelSpec(), batch_size=BATCH, seq_len=SEQ)
     with pytest.raises(SpecError, match="document_mask"):
         par.forward_backward(inputs, targets, documents=torch.zeros_like(inputs))
+    with pytest.raises(SpecError, match="Linear.forward takes neither"):  # no way to hand it the documents
+        build(torch.nn.Linear(4, 4), ParallelSpec(document_mask=True))

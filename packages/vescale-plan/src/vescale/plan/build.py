@@ -461,6 +461,10 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
     params = inspect.signature(model.forward).parameters
     out = Parallelized(spec, roles, [model], loss_fn=loss_fn, _by_name="input_ids" in params,
                        _input_name="input_ids" if "input_ids" in params else next(iter(params), "input_ids"))
+    if spec.document_mask and not out._by_name and not {"positions", "documents"} <= set(params):
+        raise SpecError(f"document_mask: {type(model).__name__}.forward takes neither input_ids= (a transformers "
+                        f"model: restarting position_ids) nor positions= and documents= (the causal-attention hook), "
+                        f"so its packed documents cannot be kept apart")
     if spec.document_mask and getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False  # transformers looks for packed rows (restarting positions) only without a cache
     cp_positions = None
