@@ -227,3 +227,37 @@ def test_split_of_interleaved_dim_at_chunk_boundaries_is_local():
     v): each piece ``Shard(2)`` (``InterleavedShard(2, 2)`` for two chunks) with the plain split's values and no
     collective, on a 2x2 mesh whose other dim shards the batch; a cut inside a chunk gathers, as torch does."""
     run_on_ranks(_interleaved_splits, 4)
+
+
+@multi_rank(world_sizes=[2])
+def test_cpu_attention_query_rows_sharded_stay_sharded(world_size):
+    """Query rows sharded (``Shard(2)``, 5 rows over 2 ranks: uneven), key and value replicated, no causal mask, with
+    and without a row-wise ``attn_mask``: the output stays ``Shard(2)`` with no collective, as torch's rule (found
+    through the op's decomposition) keeps it, and output and q/k/v gradients equal one device's. Causal: the rows
+    are gathered (the kernel's causal mask would take local row indices), values still one device's."""
+    import torch
+    import torch.nn.functional as F
+
+    from vescale.dtensor import Replicate, Shard, count_comms, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (5, 6, 6))
+    mask = torch.randn(5, 6, generator=g)
+    w = torch.randn(2, 3, 5, 8, generator=g)
+    for causal, with_mask in ((False, False), (False, True), (True, False)):
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        kw = {"is_causal": causal, "attn_mask": mask if with_mask else None}
+        out = F.scaled_dot_product_attention(*ref, **kw)
+        (out * w).sum().backward()
+        dq = distribute_tensor(q, mesh, [Shard(2)]).requires_grad_()
+        dk, dv = (distribute_tensor(t, mesh, [Replicate()]).requires_grad_() for t in (k, v))
+        dmask = distribute_tensor(mask, mesh, [Shard(0)]) if with_mask else None
+        with count_comms() as comms:
+            dout = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal, attn_mask=dmask)
+        if not causal:
+            assert tuple(dout.placements) == (Shard(2),) and comms.total == 0, (with_mask, dout.placements)
+        torch.testing.assert_close(dout.full_tensor(), out, rtol=1e-6, atol=1e-6)
+        (dout * distribute_tensor(w, mesh, [Replicate()]).redistribute(mesh, dout.placements)).sum().backward()
+        for d, r in zip((dq, dk, dv), ref):
+            torch.testing.assert_close(d.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-6)

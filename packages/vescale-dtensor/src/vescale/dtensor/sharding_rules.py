@@ -11,7 +11,9 @@ Attention is independent per batch row and per head, so each mesh dim may shard 
 key/value heads) stays correct under head sharding: query head ``i`` reads key/value head ``i // group``, and
 contiguous equal shards keep whole groups together (the number of key/value heads must divide by the mesh dim).
 An ``attn_mask`` follows the dim it broadcasts over: sharded like the others where it has that dim in full,
-replicated where its size there is 1. Anything else (the sequence dim sharded) is redistributed by DTensor first.
+replicated where its size there is 1. Without a causal mask the query rows (dim 2) may be sharded too, key and
+value replicated (torch finds that strategy through the op's decomposition). Anything else (the key sequence
+sharded, or query rows under a causal mask) is redistributed by DTensor first.
 
 Dropout inside the kernel (``dropout_p > 0``) on DTensors is refused: the kernel draws its mask from each rank's
 local generator, which would not reproduce the single-device result (vescale's counter RNG covers
@@ -92,11 +94,21 @@ def _mask_placement(op_schema: OpSchema, dim: int) -> list:
     return [Shard(full_dim)]
 
 
-def _attention_strategies(op_schema: OpSchema, outputs: int, inputs: int) -> list[list]:
-    """Replicate all, shard the batch, or shard the heads: ``outputs`` output and ``inputs`` tensor input entries."""
+def _attention_strategies(op_schema: OpSchema, outputs: int, inputs: int, causal: bool) -> list[list]:
+    """Replicate all, shard the batch, or shard the heads: ``outputs`` output and ``inputs`` tensor input entries.
+    Without a causal mask also the query rows (dim 2 of query, output and logsumexp; key and value replicated; in
+    backward their gradients partial sums over the rows), the strategy torch finds through the op's decomposition:
+    each query row attends independently (a causal kernel would take local row indices for global ones)."""
     strategies = [[Replicate()] * (outputs + inputs + len(_mask_placement(op_schema, 0)))]
     for dim in (0, 1):
         strategies.append([Shard(dim)] * (outputs + inputs) + _mask_placement(op_schema, dim))
+    if not causal:
+        rows, kv = Shard(2), Replicate()
+        if outputs == 2:  # (output, logsumexp) <- (query, key, value)
+            strategies.append([rows, rows, rows, kv, kv] + _mask_placement(op_schema, 2))
+        else:  # (grad_query, grad_key, grad_value) <- (grad_out, query, key, value, out, logsumexp)
+            strategies.append([rows, Partial(), Partial(), rows, rows, kv, kv, rows, rows]
+                              + _mask_placement(op_schema, 2))
     return strategies
 
 
@@ -145,8 +157,9 @@ def _cpu_flash_attention_strategy(op_schema: OpSchema) -> OpStrategy:
     args = op_schema.args_schema
     _refuse_dropout(args[3] if len(args) > 3 else 0.0)
     mesh = op_schema.get_mesh_from_args()
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 2, 3), input_index=2,
-                                           allow_uneven_sharding=True,
+    causal = bool(args[4]) if len(args) > 4 else bool(op_schema.kwargs_schema.get("is_causal", False))
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 2, 3, causal),
+                                           input_index=2, allow_uneven_sharding=True,
                                            is_valid_strategy_cb=_valid_strategy(op_schema, _heads(op_schema, 0)))
 
 
@@ -155,8 +168,9 @@ def _cpu_flash_attention_backward_strategy(op_schema: OpSchema) -> OpStrategy:
     #   -> (grad_query, grad_key, grad_value)
     _refuse_dropout(op_schema.args_schema[6])
     mesh = op_schema.get_mesh_from_args(validate=False)
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 3, 6), input_index=3,
-                                           allow_uneven_sharding=True,
+    causal = bool(op_schema.args_schema[7])
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(op_schema, 3, 6, causal),
+                                           input_index=3, allow_uneven_sharding=True,
                                            is_valid_strategy_cb=_valid_strategy(op_schema, _heads(op_schema, 1)))
 
 
