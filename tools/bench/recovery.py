@@ -1,7 +1,7 @@
 """Recovery time: from a rank's death to the restarted job's first new step, and the cold checkpoint load against the
 disk's read rate and DCP's cold load.
 
-    python tools/bench/recovery.py [--size-mb 256] [--repeat 3] [--layouts row,column] [--skip-restart]
+    python tools/bench/recovery.py [--size-mb 256] [--repeat 3] [--layouts row,column] [--skip-restart] [--small]
 
 **Restart** (one torchrun agent, 2 CPU ranks, ``--max-restarts 1``): ``tools/train.py --resume auto`` checkpoints
 every ``--ckpt-every`` steps; once a checkpoint is committed and a step past it is done, rank 1 is SIGKILLed and the
@@ -178,7 +178,10 @@ def main() -> None:
     parser.add_argument("--skip-restart", action="store_true", help="only the cold-load matrix")
     parser.add_argument("--skip-cold", action="store_true", help="only the restart")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    parser.add_argument("--small", action="store_true", help="64 MiB, one sample per row, gpt-tiny (nox -s bench)")
     args = parser.parse_args()
+    if args.small:
+        args.size_mb, args.repeat, args.model = 64, 1, "gpt-tiny"
     root = tempfile.mkdtemp(prefix="vescale-recovery-", dir=args.dir)
     result: dict = {"bench": "recovery"}
     try:
