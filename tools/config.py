@@ -218,9 +218,10 @@ def check_fits(cfg: TrainConfig) -> ParallelSpec:
     if cfg.fp8 != "none" and cfg.init != "eager":
         problems.append(f"--fp8 {cfg.fp8} needs --init eager (torchao swaps the linears, which deferred init cannot "
                         "record)")
-    if cfg.optimizer == "muon" and (cfg.reduce_dtype != "fp32" or ep > 1 or (pp > 1 and cfg.zero == 3)):
-        problems.append(f"--optimizer muon needs fp32 gradients, no ep, and ZeRO 0-2 with pp (got --reduce-dtype "
-                        f"{cfg.reduce_dtype}, ep={ep}, pp={pp} with --zero {cfg.zero})")
+    if cfg.optimizer == "muon" and (cfg.reduce_dtype != "fp32" or ep > 1 or (pp > 1 and cfg.zero == 3
+                                                                          and cfg.dtype != "fp32")):
+        problems.append(f"--optimizer muon needs fp32 gradients, no ep, and fp32 with pp x ZeRO 3 (got --reduce-dtype "
+                        f"{cfg.reduce_dtype}, ep={ep}, --dtype {cfg.dtype} with pp={pp}, --zero {cfg.zero})")
     if cfg.preempt_signal is not None:
         from vescale.core.preemption import signal_number
 

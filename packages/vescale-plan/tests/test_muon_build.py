@@ -88,7 +88,9 @@ def test_make_optimizer_muon_dp2_tp2_and_dp4():
 
 @multi_rank(world_sizes=[4])
 def test_make_optimizer_muon_pp2_dp2_and_hsdp():
-    """pp=2 x dp=2, ZeRO 1 with clipping over the stages (each stage's DDP and its own owners); HSDP 2 x 2 (owners
-    over dp_shard, each replica group stepping alike)."""
+    """pp=2 x dp=2, ZeRO 1 with clipping over the stages (each stage's DDP and its own owners) and ZeRO 3 with
+    clipping (each stage one FSDP2 unit, its matrices owned over dp); HSDP 2 x 2 (owners over dp_shard, each replica
+    group stepping alike)."""
     _run({"pp": 2, "dp": 2}, 1, 1.0)
+    _run({"pp": 2, "dp": 2}, 3, 1.0)
     _run({"dp_replicate": 2, "dp_shard": 2}, 3, None)
