@@ -273,7 +273,7 @@ class Parallelized:
         """What a checkpoint saves and loads (any other mesh loads it): ``{"model": ..., "optim": optimizer}``, the
         model as :attr:`modules` holds it (with pp x ep the stages' plain expert rows are marked as boxes of the global
         tensors, which a checkpoint, the optimizer's sharded state and a plain optimizer's state follow). A LoRA
-        model's ``"model"`` is its adapters only (``{fqn: parameter}``: :func:`vescale.plan.lora.adapter_state`)."""
+        model's ``"model"`` is its adapters only (:func:`vescale.plan.lora.adapter_state`)."""
         from vescale.plan.lora import adapter_state, has_adapters
 
         model = self.held

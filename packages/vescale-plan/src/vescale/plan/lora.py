@@ -21,10 +21,12 @@ collective, the same result on every rank. :func:`vescale.plan.build` applies it
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 
@@ -33,8 +35,8 @@ from vescale.core.placement_format import format_placements
 from vescale.plan.decisions import AutoPlan, Decision
 from vescale.plan.spec import SpecError
 
-__all__ = ["is_lora_model", "has_adapters", "lora_layers", "lora_plan", "adapter_placements", "adapter_state",
-           "base_fqn", "base_view", "inner_prefix"]
+__all__ = ["AdapterState", "is_lora_model", "has_adapters", "lora_layers", "lora_plan", "adapter_placements",
+           "adapter_state", "base_fqn", "base_view", "inner_prefix"]
 
 _ADAPTERS = ("lora_A", "lora_B")
 # LoRA variants whose extra tensors have no placement rule here (DoRA's magnitudes, embedding adapters, ...)
@@ -123,12 +125,58 @@ def has_adapters(modules: nn.Module | list[nn.Module]) -> bool:
     return any(n.partition(".lora_A.")[0] + ".base_layer.weight" in names for n in names if ".lora_A." in n)
 
 
-def adapter_state(modules: nn.Module | list[nn.Module]) -> dict[str, nn.Parameter]:
-    """What a checkpoint of a LoRA model holds: ``{fqn: parameter}`` of the parameters that train (the adapters, as
-    laid out: DTensors over tp, FSDP2 shards, this rank's pipeline stages'), which ``vescale.checkpoint`` saves and
-    loads in place on any mesh. The frozen base weights are not in it (they come from the base model's weights)."""
-    return {n: p for m in (modules if isinstance(modules, list) else [modules]) for n, p in m.named_parameters()
-            if p.requires_grad}
+class AdapterState(nn.Module):
+    """The parameters that train of a model (or of a rank's pipeline stages), by FQN, as a module whose
+    ``state_dict`` holds them alone: a checkpoint saves and loads them in place (any layout) and names their optimizer
+    state by FQN. Read-only mapping access too (``state["...lora_A.default.weight"]``, ``keys()``, ``items()``)."""
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_adapters", dict(params))  # not registered: dotted names, no submodules
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, p in self._adapters.items():
+            yield prefix + name, p
+
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        out = collections.OrderedDict() if destination is None else destination
+        for name, p in self._adapters.items():
+            out[prefix + name] = p if keep_vars else p.detach()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        missing = [n for n in self._adapters if n not in state_dict]
+        if strict and missing:
+            raise KeyError(f"adapter state lacks {missing[:4]}")
+        with torch.no_grad():
+            for name, p in self._adapters.items():
+                if name in state_dict and state_dict[name] is not p:
+                    p.copy_(state_dict[name])
+        return None
+
+    def keys(self):
+        return self._adapters.keys()
+
+    def items(self):
+        return self._adapters.items()
+
+    def __getitem__(self, name: str) -> nn.Parameter:
+        return self._adapters[name]
+
+    def __iter__(self):
+        return iter(self._adapters)
+
+    def __len__(self) -> int:
+        return len(self._adapters)
+
+
+def adapter_state(modules: nn.Module | list[nn.Module]) -> AdapterState:
+    """What a checkpoint of a LoRA model holds: the parameters that train (the adapters, as laid out: DTensors over
+    tp, FSDP2 shards, this rank's pipeline stages'), as an :class:`AdapterState`, which ``vescale.checkpoint`` saves
+    and loads in place on any mesh (with the optimizer's state named by FQN). The frozen base weights are not in it
+    (they come from the base model's weights)."""
+    return AdapterState({n: p for m in (modules if isinstance(modules, list) else [modules])
+                         for n, p in m.named_parameters() if p.requires_grad})
 
 
 def lora_plan(model: nn.Module, plan: dict, mesh=None) -> AutoPlan:
