@@ -4,7 +4,8 @@ stepped by torch.optim.Muon + AdamW.
 As in test_muon.py, every gradient is a dp average of constants that are multiples of 1/8 in [-2, 2] (the loss is
 ``sum(p * C)``), exact in bf16 and in fp32 in any order, so the parallel fp32 gradients are bitwise one device's; the
 owners step the fp32 master pieces they gather with torch's own Muon. After two steps every master piece must be
-*bitwise* the reference's fp32 weight, and every bf16 parameter its bf16 rounding. dp=2, ZeRO 0, 1 and 2.
+*bitwise* the reference's fp32 weight, and every bf16 parameter its bf16 rounding. dp=2, ZeRO 0, 1 and 2, and ZeRO 1
+with bf16 optimizer state (Muon's momenta and AdamW's moments rounded to bf16 after each step in the reference).
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def _consts(step: int, rank: int) -> dict:
             for name, p in _net().named_parameters()}
 
 
-def _reference(dp: int, steps: int = 2) -> dict:
+def _reference(dp: int, steps: int = 2, state_dtype=None) -> dict:
     """One device: fp32 weights starting from the bf16 model's values (its masters' start), Muon on the matrices,
-    AdamW on the biases."""
+    AdamW on the biases; with ``state_dtype`` their state is rounded to it after each step and widened before."""
     import torch
 
     net = _net()
@@ -57,8 +58,16 @@ def _reference(dp: int, steps: int = 2) -> dict:
         consts = [_consts(step, r) for r in range(dp)]
         for name, p in net.named_parameters():
             p.grad = sum(c[name] for c in consts) / dp
-        muon.step()
-        adamw.step()
+        for opt in (muon, adamw):
+            for st in opt.state.values():
+                for k, v in st.items():
+                    if state_dtype is not None and v.dim() > 0:
+                        st[k] = v.float()
+            opt.step()
+            for st in opt.state.values():
+                for k, v in st.items():
+                    if state_dtype is not None and v.dim() > 0:
+                        st[k] = v.to(state_dtype)
     return {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
@@ -70,14 +79,14 @@ def test_muon_bf16_params_dp2_zero012_bitwise():
     from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedMatrixOptimizer
 
     mesh = init_mesh({"dp": 2})
-    want = _reference(2)
-    for zero in (0, 1, 2):
+    for zero, state_dtype in ((0, None), (1, None), (2, None), (1, torch.bfloat16)):
+        want = _reference(2, state_dtype=state_dtype)
         ddp = DistributedDataParallel(_net().to(torch.bfloat16), mesh,
                                       DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
         mats = [getattr(ddp.module, n).weight for n in SHAPES]
         rest = [p for p in ddp.module.parameters() if all(p is not m for m in mats)]
         opt = DistributedMatrixOptimizer(ddp, torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW),
-                                         zero_stage=zero)
+                                         zero_stage=zero, state_dtype=state_dtype)
         for step in range(2):
             opt.zero_grad()
             ddp(_consts(step, mesh.get_local_rank())).backward()
@@ -89,6 +98,10 @@ def test_muon_bf16_params_dp2_zero012_bitwise():
             ref = want[piece.fqn].reshape(-1)[piece.lo:piece.hi]
             assert piece.master.dtype == torch.float32
             assert torch.equal(piece.master, ref), f"zero {zero} master of {piece.fqn}"
+        if state_dtype is not None:  # Muon's momenta and AdamW's moments held in bf16
+            held = [v for o in (opt.optimizer, opt.matrix.optimizer) for st in o.state.values() for v in st.values()
+                    if v.dim() > 0]
+            assert held and {v.dtype for v in held} == {state_dtype}
 
 
 def test_muon_refuses_bf16_gradients_by_name():
