@@ -234,7 +234,8 @@ def test_cpu_attention_query_rows_sharded_stay_sharded(world_size):
     """Query rows sharded (``Shard(2)``, 5 rows over 2 ranks: uneven), key and value replicated, no causal mask, with
     and without a row-wise ``attn_mask``: the output stays ``Shard(2)`` with no collective, as torch's rule (found
     through the op's decomposition) keeps it, and output and q/k/v gradients equal one device's. Causal: the rows
-    are gathered (the kernel's causal mask would take local row indices), values still one device's."""
+    are gathered (the kernel's causal mask would take local row indices), values still one device's; so are rows a
+    rank would hold none of."""
     import torch
     import torch.nn.functional as F
 
@@ -261,3 +262,8 @@ def test_cpu_attention_query_rows_sharded_stay_sharded(world_size):
         (dout * distribute_tensor(w, mesh, [Replicate()]).redistribute(mesh, dout.placements)).sum().backward()
         for d, r in zip((dq, dk, dv), ref):
             torch.testing.assert_close(d.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-6)
+    # one query row over 2 ranks: a rank would hold none (torch's CPU kernel dies of SIGFPE): gathered instead
+    one = q[:, :, :1]
+    dout = F.scaled_dot_product_attention(distribute_tensor(one, mesh, [Shard(2)]),
+                                          *(distribute_tensor(t, mesh, [Replicate()]) for t in (k, v)))
+    torch.testing.assert_close(dout.full_tensor(), F.scaled_dot_product_attention(one, k, v), rtol=1e-6, atol=1e-6)

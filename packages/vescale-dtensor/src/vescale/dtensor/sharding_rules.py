@@ -121,19 +121,21 @@ def _current_mask_placements(op_schema: OpSchema) -> tuple | None:
 
 
 def _valid_strategy(op_schema: OpSchema, heads: tuple[int, ...]) -> Callable[[list, object], bool]:
-    """A strategy filter: refuse head sharding that leaves a rank without heads (torch's CPU kernel then dies of
-    SIGFPE; shards follow ``torch.chunk``: 6 heads over 4 ranks are 2, 2, 2, 0), and any strategy that needs the
-    ``attn_mask`` in another layout than it has: DTensor's dispatcher does not redistribute keyword arguments, so the
-    kernel would get the mask as it is (a wrong broadcast, not only a shape error, when a rank's batch is 1)."""
+    """A strategy filter: refuse head or query-row sharding that leaves a rank without heads or rows (torch's CPU
+    kernel then dies of SIGFPE; shards follow ``torch.chunk``: 6 heads over 4 ranks are 2, 2, 2, 0), and any
+    strategy that needs the ``attn_mask`` in another layout than it has: DTensor's dispatcher does not redistribute
+    keyword arguments, so the kernel would get the mask as it is (a wrong broadcast, not only a shape error, when a
+    rank's batch is 1)."""
     mask_now = _current_mask_placements(op_schema)
+    rows = op_schema.args_schema[0].shape[2]  # query rows (grad_out's in backward)
 
     def valid(input_specs: list, output_specs: object) -> bool:
         if mask_now is not None and tuple(input_specs[-1].placements) != mask_now:
             return False
         spec = input_specs[0]  # q (grad_out in backward): all tensors of a strategy share batch/head placements
-        for n in heads:
+        for n, dim in (*((h, 1) for h in heads), (rows, 2)):  # no rank without heads or query rows (SIGFPE too)
             for mesh_dim, placement in enumerate(spec.placements):
-                if placement.is_shard(1):
+                if placement.is_shard(dim):
                     n = smallest_shard(n, spec.mesh.size(mesh_dim))
             if n == 0:
                 return False
