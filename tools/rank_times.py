@@ -55,7 +55,7 @@ class CollectiveWaitClock:
         import torch.distributed as dist
 
         targets = [(dist, name) for name in _COLLECTIVES if hasattr(dist, name)]
-        targets.append((torch._C._distributed_c10d.Work, "wait"))  # async ops (DDP buckets) wait here
+        targets.append((dist.Work, "wait"))  # async ops (DDP buckets) wait here
         for owner, name in targets:
             original = getattr(owner, name)
             self._undo.append((owner, name, original))
