@@ -4,11 +4,11 @@ with torch's stock rules and with vescale's: a vescale rule may extend torch, ne
 The samples are torch's OpInfo database (``torch.testing._internal.common_methods_invocations.op_db``, what torch's
 ``test_dtensor_ops.py`` runs DTensor against), float32 on the CPU, generated once in the test process and shipped to
 the ranks. Each tensor of a sample is placed, in turn, replicated and sharded on each dim of size > 1 (evenly or
-unevenly: most OpInfo sizes are 5), partial for a copy destination and the first tensor on 2 ranks, on 1-d meshes of
-2 and 4 ranks and on a 2x2 mesh (nested shards included); several tensors of one sample vary one at a time and
-together. Each (sample, placements) runs three ways on every rank: the op on the plain full tensors (one device), on
-DTensors with torch's stock rules (``vescale.dtensor._torch_hooks.uninstall()``, DTensors made by torch's
-``distribute_tensor``) and with vescale's (installed by vescale's ``distribute_tensor``). The outcome:
+unevenly: most OpInfo sizes are 5), partial for a copy destination and the first tensor on 2 ranks, on the meshes of
+:data:`MESHES` (2 ranks and 2x2, nested shards included; 4 ranks too when opted in); several tensors of one sample
+vary one at a time and together. Each (sample, placements) runs three ways on every rank: the op on the plain full
+tensors (one device), on DTensors with torch's stock rules (``vescale.dtensor._torch_hooks.uninstall()``, DTensors
+made by torch's ``distribute_tensor``) and with vescale's (installed by vescale's ``distribute_tensor``). The outcome:
 
 - ``same``: vescale's result equals torch's: values (bitwise for data movement, ``rtol=1e-4`` where the op computes),
   the output placements and no collective where torch's ran none, the local storage shared with the input exactly
