@@ -74,7 +74,7 @@ def reference_logits(model, inputs):
     import torch
 
     rows = []
-    for r, lengths in enumerate(LENGTHS):
+    for r, lengths in enumerate(LENGTHS[:len(inputs)]):
         parts, start = [], 0
         for n in lengths:
             parts.append(_logits(model, inputs[r:r + 1, start:start + n]))
@@ -83,22 +83,22 @@ def reference_logits(model, inputs):
     return torch.cat(rows)
 
 
-def _run(model_fn, mesh: dict, *, check_logits: bool = True, **spec_kw) -> None:
+def _run(model_fn, mesh: dict, *, check_logits: bool = True, batch: int = BATCH, **spec_kw) -> None:
     import torch
     import torch.nn.functional as F
 
     from vescale.plan import ParallelSpec, build, document_inputs, documents_from_eos
 
-    inputs, targets = packed_batch()
+    inputs, targets = (t[:batch] for t in packed_batch())
     documents = documents_from_eos(inputs, EOS)
-    assert [int(d.max()) + 1 for d in documents] == [len(n) for n in LENGTHS]
+    assert [int(d.max()) + 1 for d in documents] == [len(n) for n in LENGTHS[:batch]]
     ref = model_fn()
     ref_logits = reference_logits(ref, inputs)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
     named = dict(ref.named_parameters())
     spec = ParallelSpec(mesh=mesh, document_mask=True, **spec_kw)
-    par = build(model_fn(), spec, batch_size=BATCH, seq_len=SEQ)
+    par = build(model_fn(), spec, batch_size=batch, seq_len=SEQ)
     what = f"{mesh} {spec_kw}"
     x, y, docs = par.shard_batch(inputs), par.shard_batch(targets), par.shard_batch(documents)
     loss = par.forward_backward(x, y, documents=docs)
@@ -109,7 +109,8 @@ def _run(model_fn, mesh: dict, *, check_logits: bool = True, **spec_kw) -> None:
         torch.testing.assert_close(g, named[n].grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{what} {n}: {m}")
     if check_logits and par.engine is None:
         with torch.no_grad():
-            kw = document_inputs(docs, transformers_style=hasattr(par.model, "config"))
+            kw = document_inputs(docs, transformers_style=hasattr(par.model, "config"),
+                                 explicit_mask=par.roles.ep.size > 1)
             out = par.model(input_ids=x, **kw).logits if hasattr(par.model, "config") else par.model(x, **kw)
             out = out.full_tensor() if hasattr(out, "full_tensor") else out
             if par.roles.cp.size > 1:
@@ -180,7 +181,9 @@ def test_document_mask_pp2(world_size, model):
 
 @multi_rank(world_sizes=[4])
 def test_document_mask_dp2_ep2_mixtral(world_size):
-    _run(_mixtral, {"dp": 2, "ep": 2})
+    # one row a rank: batch rank 1 holds a single document, its peers packed rows (transformers would take another
+    # mask path there, with other DTensor collectives, but for the explicit block-diagonal mask: a hang)
+    _run(_mixtral, {"dp": 2, "ep": 2}, batch=4)
 
 
 def test_documents_without_the_spec_field_are_refused():

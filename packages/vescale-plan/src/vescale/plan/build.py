@@ -165,7 +165,8 @@ class Parallelized:
             documents = torch.zeros_like(inputs)
         if documents.shape != inputs.shape:
             raise SpecError(f"documents {tuple(documents.shape)} do not match the inputs {tuple(inputs.shape)}")
-        return document_inputs(documents.to(inputs.device), transformers_style=self._by_name)
+        return document_inputs(documents.to(inputs.device), transformers_style=self._by_name,
+                               explicit_mask=self._by_name and self.roles.ep.size > 1)
 
     def _observed(self, loss: torch.Tensor) -> torch.Tensor:
         if self.step_guard is not None:  # a non-finite loss skips the next optimizer step on every rank

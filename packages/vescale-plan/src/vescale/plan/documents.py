@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["documents_from_eos", "document_positions", "document_inputs"]
+__all__ = ["documents_from_eos", "document_positions", "document_inputs", "block_diagonal_mask"]
 
 
 def documents_from_eos(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -44,14 +44,30 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def document_inputs(documents: torch.Tensor, *, transformers_style: bool) -> dict[str, torch.Tensor]:
+def block_diagonal_mask(documents: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[B, 1, S, S]`` additive attention mask (0 where a query may attend, the dtype's lowest value elsewhere): the
+    causal mask within each document of ``documents`` ``[B, S]``, as transformers takes a prepared 4-D mask."""
+    s = documents.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=documents.device).tril()
+    allowed = causal & (documents[:, None, :, None] == documents[:, None, None, :])
+    return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed,
+                                                                                        torch.finfo(dtype).min)
+
+
+def document_inputs(documents: torch.Tensor, *, transformers_style: bool,
+                    explicit_mask: bool = False) -> dict[str, torch.Tensor]:
     """The extra per-token keyword inputs that make a model attend within the ``documents`` (``[B, S]``) of its
     packed rows: ``{"position_ids"}`` for a transformers model (``transformers_style``), ``{"positions",
-    "documents"}`` for a causal-attention-hook model."""
+    "documents"}`` for a causal-attention-hook model. ``explicit_mask`` (transformers): also the prepared
+    :func:`block_diagonal_mask` as ``attention_mask``, for ranks whose rows differ inside one model mesh (expert
+    parallelism: transformers decides from each rank's own ``position_ids`` whether its rows are packed, and a rank
+    with a single document per row would take another path, issuing other DTensor collectives, than its peers)."""
     if documents.dim() != 2 or documents.is_floating_point():
         raise ValueError(f"document ids must be integers [batch, seq_len]; got {tuple(documents.shape)} "
                          f"{documents.dtype}")
     positions = document_positions(documents)
     if transformers_style:
+        if explicit_mask:
+            return {"position_ids": positions, "attention_mask": block_diagonal_mask(documents)}
         return {"position_ids": positions}
     return {"positions": positions, "documents": documents}
