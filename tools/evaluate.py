@@ -49,7 +49,8 @@ def heldout_loss(model: nn.Module, batches: list[torch.Tensor], *, dp_rank: int,
             inputs, targets, _ = step_rows(batch.chunk(dp)[dp_rank].chunk(ep)[ep_rank].to(device))
             by_name = ep > 1 or "input_ids" in inspect.signature(model.forward).parameters
             docs = None if eos_id is None else documents_from_eos(inputs, eos_id)
-            kw = {} if docs is None else document_inputs(docs, transformers_style=by_name)
+            kw = {} if docs is None else document_inputs(docs, transformers_style=by_name,
+                                                          explicit_mask=by_name and ep > 1)  # (see document_inputs)
             out = model(input_ids=inputs, **kw) if ep > 1 else model(inputs, **kw)
             total[0] += language_model_loss(out, targets, reduction="sum").double()
             total[1] += (targets != -100).sum()
