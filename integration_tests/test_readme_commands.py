@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import shlex
 import shutil
@@ -56,6 +57,10 @@ CKPT_LINE, CKPT_STEPS = "--ckpt-every 50", 52
 #: alone for the line that names a directory without one.
 GENERATE_DIR, GENERATE_DIR_NO_TOKENIZER = "runs/ft/hf", "runs/ft/hf-weights-only"
 SETUP = ("pip ", "nox ", "pytest", "python -m venv", ". .venv")
+#: The chat template of ``my-model``'s tokenizer (role markers around each turn; the generation prompt opens an
+#: assistant turn), for the README's chat lines.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 #: README lines that fail today, with what fails: not run (expected to fail) until fixed or changed in the README.
 KNOWN_FAILING: dict[str, str] = {}
 
@@ -151,7 +156,15 @@ def _make_reader_files(root: Path, tokenizer: Path) -> None:
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                             eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id)
     tf.LlamaForCausalLM(config).save_pretrained(root / "my-model")
+    fast.chat_template = CHAT_TEMPLATE  # a model directory of an instruction-tuned family carries one
     fast.save_pretrained(root / "my-model")
+    rng = random.Random(0)
+    words = "the data model rank mesh tensor shard step loss batch layer token".split()
+    with open(root / "my-chats.jsonl", "w") as chats:
+        for _ in range(64):
+            turns = [{"role": role, "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))}
+                     for _ in range(rng.randint(1, 2)) for role in ("user", "assistant")]
+            chats.write(json.dumps({"messages": turns}) + "\n")
     texts = root / "my-texts"
     texts.mkdir()
     for i, src in enumerate(prepare_data.stdlib_files(limit=200_000)):  # about 50 documents, one a file
@@ -346,6 +359,9 @@ def test_generate_line_runs_as_written(line, fine_tuned, workspace, monkeypatch,
     monkeypatch.chdir(workspace)
     model = GENERATE_DIR_NO_TOKENIZER if "without tokenizer" in _raw_line(line) else GENERATE_DIR
     argv = [model if a == "DIR" else a for a in shlex.split(line)[2:]] + ["--quiet"]
+    named = argv[argv.index("--model") + 1]
+    if named not in (GENERATE_DIR, GENERATE_DIR_NO_TOKENIZER):  # another section's export: its train line first
+        _prerequisite(workspace, f"--export-hf {named}")
     with spawn_on_pool():
         summary = generate.main(argv)
     cfg = generate.parse_args(argv)

@@ -150,7 +150,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, documents)
+        attn_in = (self.attn_norm(x), cos, sin) if documents is None else (self.attn_norm(x), cos, sin, documents)
+        x = x + self.attn(*attn_in)  # unmasked: the three inputs a module-input plan (PrepareModuleInput) names
         return x + self.mlp(self.mlp_norm(x))
 
 
