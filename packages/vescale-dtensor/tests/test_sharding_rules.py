@@ -267,3 +267,29 @@ def test_cpu_attention_query_rows_sharded_stay_sharded(world_size):
     dout = F.scaled_dot_product_attention(distribute_tensor(one, mesh, [Shard(2)]),
                                           *(distribute_tensor(t, mesh, [Replicate()]) for t in (k, v)))
     torch.testing.assert_close(dout.full_tensor(), F.scaled_dot_product_attention(one, k, v), rtol=1e-6, atol=1e-6)
+
+
+def _unique_family():
+    import torch
+
+    from vescale.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.tensor([[3, 1, 3, 7], [1, 1, 9, 3], [5, 5, 5, 0]])
+    for placements in ([Replicate()], [Shard(0)], [Shard(1)]):
+        d = distribute_tensor(x, mesh, placements)
+        calls = [lambda t: t.unique(), lambda t: t.unique(sorted=True, return_inverse=True, return_counts=True),
+                 lambda t: t.unique(dim=0, return_counts=True), lambda t: t.unique_consecutive(return_counts=True)]
+        for i, call in enumerate(calls):
+            got, want = call(d), call(x)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                            strict=True):
+                assert all(isinstance(p, Replicate) for p in g.placements), (placements, i, g.placements)
+                torch.testing.assert_close(g.full_tensor(), w, rtol=0, atol=0)
+
+
+def test_unique_family_runs_whole_on_every_rank():
+    """``unique`` (``_unique2``), ``unique(dim=)`` and ``unique_consecutive`` of a DTensor (torch has no rule: the
+    output shape depends on the data; Kolibri's packed-row starts call it on a replicated tensor): the plain op's
+    values, replicated, from replicated and from sharded operands."""
+    run_on_ranks(_unique_family, 2)

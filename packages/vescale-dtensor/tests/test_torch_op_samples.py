@@ -43,7 +43,8 @@ the op they stand for (CompositeImplicitAutograd ops never reach DTensor; their 
   ``select.int``, ``cat``, ``stack``, ``unbind.int``, ``t``, ``diagonal``;
 - strategies added or replaced: ``_scaled_dot_product_flash_attention_for_cpu`` (and backward),
   ``linalg_solve_triangular``;
-- handlers: ``view``, ``copy_``, ``clone``, ``split.Tensor``, ``split_with_sizes``, ``_grouped_mm``;
+- handlers: ``view``, ``copy_``, ``clone``, ``split.Tensor``, ``split_with_sizes``, ``_grouped_mm``, the ``unique``
+  family;
 - the counter RNG's handlers: ``uniform_``, ``normal_``, ``bernoulli_`` (float, Tensor), ``bernoulli`` (default, p),
   ``random_`` (default, to, from), ``native_dropout``, ``rand_like``, ``randn_like``, ``randint_like`` (default,
   low_dtype).
@@ -92,6 +93,9 @@ OPINFOS: dict[str, tuple[str, ...]] = {
         "nn.functional.scaled_dot_product_attention",),
     "aten.copy_.default": ("copy_", "nn.functional.pad.circular"),
     "aten.clone.default": ("clone",),
+    "aten._unique2.default": ("unique",),
+    "aten.unique_dim.default": ("unique",),
+    "aten.unique_consecutive.default": ("unique_consecutive",),
     # the counter RNG
     "aten.uniform_.default": ("uniform",),
     "aten.normal_.default": ("normal.in_place",),
@@ -106,6 +110,7 @@ OPINFOS: dict[str, tuple[str, ...]] = {
 #: Overridden ops without a float32 CPU OpInfo that reaches them, and where they are tested instead.
 NO_OPINFO: dict[str, str] = {
     "aten._grouped_mm.default": "no OpInfo on the CPU; tests/test_sharding_rules.py (MoE experts kernel)",
+    "aten._unique.default": "torch.unique dispatches _unique2 and unique_dim; tests/test_sharding_rules.py",
     "aten.bernoulli_.Tensor": "no OpInfo; tests/test_random.py",
     "aten.bernoulli.p": "no OpInfo; tests/test_random.py",
     "aten.random_.default": "no OpInfo; tests/test_random.py",

@@ -19,8 +19,9 @@ Dropout inside the kernel (``dropout_p > 0``) on DTensors is refused: the kernel
 local generator, which would not reproduce the single-device result (vescale's counter RNG covers
 ``nn.Dropout``, not fused attention dropout). Set the attention dropout to 0 or use eager attention.
 
-* ``aten._grouped_mm`` (Hugging Face's default MoE experts kernel): operands replicated, then computed locally (torch
-  has no rule, and its CPU meta kernel refuses fp32; see :func:`_grouped_mm_on_replicated`).
+* ``aten._grouped_mm`` (Hugging Face's default MoE experts kernel) and the ``unique`` family: operands replicated,
+  then computed locally (torch has no rule: ``_grouped_mm``'s CPU meta kernel refuses fp32, ``unique``'s output shape
+  depends on the data; see :func:`_whole_on_every_rank`).
 
 * ``aten.linalg_solve_triangular`` with broadcast batch dims (see :func:`_solve_triangular_strategy`): torch's rule
   can pair a batch-sharded right-hand side with a replicated matrix that has the same batch dim in full, and the
@@ -209,33 +210,44 @@ def _solve_triangular_strategy(op_schema: OpSchema) -> OpStrategy:
     return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1, allow_uneven_sharding=True)
 
 
-def _grouped_mm_on_replicated(op_call, args: tuple, kwargs: dict):
-    """``aten._grouped_mm`` (Hugging Face's default MoE experts kernel) on DTensors whose operands are all replicated:
-    the local op, wrapped replicated.
+def _whole_on_every_rank(op_call, args: tuple, kwargs: dict):
+    """An op torch has no sharding rule for, run on the whole operands on every rank: the local op on replicated
+    operands, every output tensor wrapped replicated.
 
-    torch has no sharding rule for it, and DTensor's fallback (running the op on fake tensors for the output's shape)
-    fails on CPU, where the meta kernel still demands bf16 while the CPU kernel takes fp32. Replicated operands need
-    no rule: every rank computes the whole result. Sharded or partial operands are redistributed to replicated
-    first (correct, not the fastest: the tokens of a batch-sharded input are all-gathered).
+    Used for ``aten._grouped_mm`` (Hugging Face's default MoE experts kernel: DTensor's fallback, running the op on
+    fake tensors for the output's shape, fails on CPU, where the meta kernel demands bf16 while the CPU kernel takes
+    fp32) and the ``unique`` family (data-dependent output shapes no rule can state: Kolibri's packed-row starts).
+    Replicated operands need no rule: every rank computes the whole result. Sharded or partial operands are
+    redistributed to replicated first (correct, not the fastest: the tokens of a batch-sharded input are
+    all-gathered).
     """
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
     mesh = tensors[0].device_mesh
     for t in tensors:
         if t.device_mesh != mesh:
-            raise NotImplementedError(f"aten._grouped_mm on DTensors of different meshes: {t.device_mesh} and {mesh}")
+            raise NotImplementedError(f"{op_call} on DTensors of different meshes: {t.device_mesh} and {mesh}")
     replicate = [Replicate()] * mesh.ndim
 
     def local(a):
         if not isinstance(a, DTensor):
             return a
         if not all(isinstance(p, Replicate) for p in a.placements):
-            # a sharded or partial operand (the tokens of a batch-sharded MoE input) is gathered first: every rank
-            # then computes the whole result, as with replicated operands
             a = a.redistribute(mesh, replicate)
         return torch_internals.local_tensor(a)  # below autograd: the local tensor itself, no to_local() node
 
-    out = op_call(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
-    return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    def wrap(out):
+        if isinstance(out, torch.Tensor):
+            return DTensor.from_local(out, mesh, replicate, run_check=False)
+        if isinstance(out, (tuple, list)):
+            return type(out)(wrap(o) for o in out)
+        return out
+
+    return wrap(op_call(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()}))
+
+
+#: Ops run whole on every rank (:func:`_whole_on_every_rank`), where this torch has them.
+_WHOLE_ON_EVERY_RANK = ("_grouped_mm.default", "_unique2.default", "_unique.default", "unique_dim.default",
+                        "unique_consecutive.default")
 
 
 def _view_of_relaid(op_call, args: tuple, kwargs: dict):
@@ -474,9 +486,12 @@ def install() -> None:
     register_op_strategy(aten.linalg_solve_triangular.default,
                          schema_info=RuntimeSchemaInfo(2, static_kwargkey=["left"]))(_solve_triangular_strategy)
     torch_internals.clear_sharding_caches()  # (the C++ fast-path cache too: ops may have run before install)
-    if hasattr(aten, "_grouped_mm"):
-        # torch's own extension point for per-op DTensor behaviour (vescale.dtensor.random and loss_parallel use it)
-        torch_internals.dtensor_custom_op_handlers()[aten._grouped_mm.default] = _grouped_mm_on_replicated
+    # torch's own extension point for per-op DTensor behaviour (vescale.dtensor.random and loss_parallel use it)
+    for name in _WHOLE_ON_EVERY_RANK:
+        packet, overload = name.split(".")
+        if hasattr(aten, packet):
+            torch_internals.dtensor_custom_op_handlers()[getattr(getattr(aten, packet), overload)] = (
+                _whole_on_every_rank)
     torch_internals.dtensor_custom_op_handlers()[aten.view.default] = _view_of_relaid
     torch_internals.dtensor_custom_op_handlers()[aten.copy_.default] = _copy_into_partial
     torch_internals.dtensor_custom_op_handlers()[aten.clone.default] = _clone_of_ragged
