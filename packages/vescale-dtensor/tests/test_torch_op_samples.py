@@ -155,6 +155,25 @@ def _copy_into(dst, src):
     return dst.copy_(src)
 
 
+def _portable(op):
+    """``op`` as the ranks receive it: the module's own helpers by name (a rank may import this test module under
+    another name than pytest's importlib mode gave it here), anything else as it is."""
+    if op is _copy_into:
+        return ("_copy_into",)
+    if isinstance(op, functools.partial) and op.func in (_attribute, _method, _aten):
+        return (op.func.__name__, *op.args)
+    return op
+
+
+def _local(op):
+    """The callable a :func:`_portable` value stands for, on a rank."""
+    if not isinstance(op, tuple):
+        return op
+    name, *args = op
+    fn = {"_copy_into": _copy_into, "_attribute": _attribute, "_method": _method, "_aten": _aten}[name]
+    return functools.partial(fn, *args) if args else fn
+
+
 def _callable(info):
     """A picklable callable computing what ``info.op`` computes (OpInfo ops are often lambdas)."""
     import torch
@@ -631,6 +650,7 @@ def _check_samples(cases: list, meshes: list[tuple[int, ...]]) -> dict:
 
     from vescale.dtensor import _torch_hooks, init_device_mesh
 
+    cases = [(key, _local(op), *rest) for key, op, *rest in cases]
     was_installed = _torch_hooks.is_installed()
     overrides = _overrides()
     refs = [None if c[0] in RANDOM else _reference(*c[1:]) for c in cases]
@@ -681,7 +701,8 @@ def test_torch_op_samples_with_vescale_rules_equal_torch_or_extend_it():
     import torch
 
     cases, dispatched = _samples()
-    results = {n: run_on_ranks(_check_samples, n, cases, meshes, timeout=900) for n, meshes in MESHES.items()}
+    sent = [(key, _portable(op), *rest) for key, op, *rest in cases]
+    results = {n: run_on_ranks(_check_samples, n, sent, meshes, timeout=900) for n, meshes in MESHES.items()}
 
     overrides = results[2][0]["overrides"]
     assert overrides == results[4][0]["overrides"]
