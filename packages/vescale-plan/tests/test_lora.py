@@ -106,48 +106,11 @@ def test_lora_tp2_and_pp2():
     _run({"pp": 2}, 0)
 
 
-def _reshard(path) -> None:
-    """Adapters and their AdamW state saved from dp2 x tp2 ZeRO 1 (flat fp32 shards) load into dp2 x tp2 ZeRO 3
-    (FSDP2 shards): after one more step on the same batch both hold the same adapters."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from vescale import checkpoint
-    from vescale.core.testing import reference
-    from vescale.plan import ParallelSpec, build
-
-    runs = []
-    for zero in (1, 3):
-        par = build(_peft_llama(), ParallelSpec(mesh={"dp": 2, "tp": 2}, zero=zero, tp_plan="llama"), loss_fn=_loss,
-                    batch_size=BATCH, seq_len=SEQ)
-        runs.append((par, par.make_optimizer(torch.optim.AdamW, **ADAMW)))
-
-    def step(par, opt, seed):
-        inputs, targets = reference.progression_batch(seed, BATCH, SEQ, VOCAB)
-        opt.zero_grad()
-        par.forward_backward(par.shard_batch(inputs), par.shard_batch(targets))
-        opt.step()
-
-    (saved, saved_opt), (loaded, loaded_opt) = runs
-    step(saved, saved_opt, 5000)
-    checkpoint.save(path, saved.state(saved_opt))
-    result = checkpoint.load(path, loaded.state(loaded_opt))
-    assert not result.missing and not result.mismatched, result
-    for par, opt in runs:
-        step(par, opt, 5001)
-    want, got = saved.state()["model"], loaded.state()["model"]
-    assert set(want) == set(got) and all(".lora_" in n for n in want)
-    for n, t in want.items():
-        torch.testing.assert_close(got[n].full_tensor() if isinstance(got[n], DTensor) else got[n],
-                                   t.full_tensor() if isinstance(t, DTensor) else t, rtol=1e-5, atol=1e-6, msg=n)
-
-
 @multi_rank(world_sizes=[4])
-def test_lora_dp2_tp2_zero1_2_3(tmp_path):
+def test_lora_dp2_tp2_zero1_2_3():
     _run({"dp": 2, "tp": 2}, 1)
     _run({"dp": 2, "tp": 2}, 2)
     _run({"dp": 2, "tp": 2}, 3)
-    _reshard(tmp_path / "adapters")
 
 
 def test_lora_plan_derives_adapters_and_explains():
