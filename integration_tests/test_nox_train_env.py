@@ -169,10 +169,11 @@ def test_nox_train_session_installs_what_model_llama_imports(tmp_path, stdlib_co
 
 
 def test_a_missing_requirement_fails_the_job(tmp_path):
-    """The check can fail: without transformers among the session's requirements (#41's noxfile) the closure lacks
-    it, and in that site the import the llama job makes fails, as it did for the reader."""
+    """The check can fail: without transformers (and peft, which requires it) among the session's requirements
+    (#41's noxfile) the closure lacks it, and in that site the import the llama job makes fails, as it did for the
+    reader."""
     install, _ = _train_session(LLAMA)
-    without = _installed_by([a for a in install if not a.startswith("transformers")])
+    without = _installed_by([a for a in install if not a.startswith(("transformers", "peft"))])  # (peft needs it)
     assert "transformers" not in without and "torch" in without
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(_site_of(without, tmp_path / "site")),
            "PYTHONNOUSERSITE": "1"}

@@ -140,7 +140,7 @@ def _merged(model: nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
-def export(cfg, model: nn.Module, out: Path, log=print) -> None:
+def export(cfg, model: nn.Module | list[nn.Module], out: Path, log=print) -> None:
     """``--export-hf DIR``: the trained model (a LoRA model merged) as ``from_pretrained`` loads it, and with
     ``--lora`` the adapters in PEFT's format under ``DIR/adapter``. Collective (every rank)."""
     import torch.distributed as dist
@@ -148,7 +148,7 @@ def export(cfg, model: nn.Module, out: Path, log=print) -> None:
 
     from vescale.plan.lora import is_lora_model
 
-    if not is_lora_model(model):
+    if isinstance(model, list) or not is_lora_model(model):  # (a pipeline rank's stages: --lora refuses pp)
         models.export_run(cfg, model, out, log=log)
         return
     models.export_run(cfg, _merged(model), out, log=log)

@@ -165,8 +165,10 @@ class Parallelized:
             documents = torch.zeros_like(inputs)
         if documents.shape != inputs.shape:
             raise SpecError(f"documents {tuple(documents.shape)} do not match the inputs {tuple(inputs.shape)}")
+        # (a pipeline's stages are graphs captured once, on every rank from the same example, with position_ids
+        # only: they take what they were captured with, and no rank can choose another mask path in them)
         return document_inputs(documents.to(inputs.device), transformers_style=self._by_name,
-                               explicit_mask=self._by_name and self.roles.ep.size > 1)
+                               explicit_mask=self._by_name and self.roles.ep.size > 1 and self.engine is None)
 
     def _observed(self, loss: torch.Tensor) -> torch.Tensor:
         if self.step_guard is not None:  # a non-finite loss skips the next optimizer step on every rank
