@@ -60,33 +60,32 @@ def low_precision_state(optimizer: torch.optim.Optimizer, dtype: torch.dtype | s
                         "first step")
     stash: dict[tuple[int, str], torch.Tensor] = {}
 
+    def states(opt: torch.optim.Optimizer):
+        """(parameter, its state dict, state name, floating state tensor) of every parameter with state."""
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state.get(p)
+                for name, value in (st or {}).items():
+                    if _is_state(value):
+                        yield p, st, name, value
+
     def widen(opt: torch.optim.Optimizer, *_: Any) -> None:
         stash.clear()
-        for group in opt.param_groups:
-            for p in group["params"]:
-                st = opt.state.get(p)
-                if not st:
-                    continue
-                for name, value in st.items():
-                    if _is_state(value) and value.dtype == dtype:
-                        stash[(id(p), name)] = value
-                        st[name] = value.to(p.dtype)
+        for p, st, name, value in list(states(opt)):
+            if value.dtype == dtype:
+                stash[(id(p), name)] = value
+                st[name] = value.to(p.dtype)
 
     def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                st = opt.state.get(p)
-                if not st:
-                    continue
-                for name, value in st.items():
-                    if not _is_state(value) or value.dtype == dtype:
-                        continue
-                    kept = stash.get((id(p), name))
-                    if kept is not None and kept.shape == value.shape:
-                        kept.copy_(value)
-                        st[name] = kept
-                    else:  # state built in this step (the first)
-                        st[name] = value.to(dtype)
+        for p, st, name, value in list(states(opt)):
+            if value.dtype == dtype:
+                continue
+            kept = stash.get((id(p), name))
+            if kept is not None and kept.shape == value.shape:
+                kept.copy_(value)
+                st[name] = kept
+            else:  # state built in this step (the first)
+                st[name] = value.to(dtype)
         stash.clear()
 
     optimizer.register_step_pre_hook(widen)
