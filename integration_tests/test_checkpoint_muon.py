@@ -12,45 +12,24 @@ import torch
 
 from vescale import checkpoint
 from vescale.core.testing import run_on_ranks
+from vescale.core.testing.const_grads import (
+    const_grad_net,
+    const_grad_reference,
+    const_grad_step,
+    dyadic_consts,
+    split_matrices,
+)
 
 MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
 ADAMW = {"lr": 0.01, "weight_decay": 0.1}
 SHAPES = {"a": (24, 16), "b": (8, 24), "c": (32, 8), "d": (16, 32), "e": (16, 16)}
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        for name, (m, n) in SHAPES.items():
-            setattr(self, name, torch.nn.Linear(n, m, bias=name == "b"))
-        self.norm = torch.nn.LayerNorm(16)
-
-    def forward(self, consts: dict) -> torch.Tensor:
-        return sum((p * consts[name]).sum() for name, p in self.named_parameters())
-
-
-def _net() -> _Net:
-    torch.manual_seed(0)
-    return _Net()
-
-
-def _consts(step: int, rank: int) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return {name: torch.randint(-16, 17, tuple(p.shape), generator=g).float() / 8
-            for name, p in _net().named_parameters()}
-
-
 def _reference(dps: list[int]) -> tuple[dict, dict]:
-    net = _net()
-    mats = [getattr(net, n).weight for n in SHAPES]
+    net = const_grad_net(SHAPES, norm=16)
+    mats, rest = split_matrices(net, SHAPES)
     muon = torch.optim.Muon(mats, **MUON)
-    adamw = torch.optim.AdamW([p for p in net.parameters() if all(p is not m for m in mats)], **ADAMW)
-    for step, dp in enumerate(dps):
-        consts = [_consts(step, r) for r in range(dp)]
-        for name, p in net.named_parameters():
-            p.grad = sum(c[name] for c in consts) / dp
-        muon.step()
-        adamw.step()
+    const_grad_reference(net, [muon, torch.optim.AdamW(rest, **ADAMW)], dps)
     momenta = {f"{n}.weight": muon.state[getattr(net, n).weight]["momentum_buffer"].clone() for n in SHAPES}
     return {n: p.detach().clone() for n, p in net.named_parameters()}, momenta
 
@@ -60,18 +39,16 @@ def _build(dp: int, zero: int):
     from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedMatrixOptimizer
 
     mesh = init_mesh({"dp": dp})
-    ddp = DistributedDataParallel(_net(), mesh, DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
-    mats = [getattr(ddp.module, n).weight for n in SHAPES]
-    rest = [p for p in ddp.module.parameters() if all(p is not m for m in mats)]
+    ddp = DistributedDataParallel(const_grad_net(SHAPES, norm=16), mesh,
+                                  DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
+    mats, rest = split_matrices(ddp.module, SHAPES)
     opt = DistributedMatrixOptimizer(ddp, torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW),
                                      zero_stage=zero)
     return mesh, ddp, opt
 
 
 def _step(mesh, ddp, opt, step: int) -> None:
-    opt.zero_grad()
-    ddp(_consts(step, mesh.get_local_rank())).backward()
-    opt.step()
+    const_grad_step(ddp, opt, dyadic_consts(const_grad_net(SHAPES, norm=16), step, mesh.get_local_rank()))
 
 
 def _train_save(path: str) -> None:

@@ -16,44 +16,16 @@ import torch
 
 from vescale import checkpoint
 from vescale.core.testing import run_on_ranks
+from vescale.core.testing.const_grads import const_grad_net, const_grad_reference, const_grad_step, dyadic_consts
 
 ADAMW = {"lr": 0.01, "weight_decay": 0.1}
 SHAPES = {"a": (24, 16), "b": (8, 24), "c": (32, 8)}
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        for name, (m, n) in SHAPES.items():
-            setattr(self, name, torch.nn.Linear(n, m, bias=name == "b"))
-
-    def forward(self, consts: dict) -> torch.Tensor:
-        return sum((p * consts[name]).sum() for name, p in self.named_parameters())
-
-
-def _net() -> _Net:
-    torch.manual_seed(0)
-    return _Net()
-
-
-def _consts(step: int, rank: int) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return {name: torch.randint(-16, 17, tuple(p.shape), generator=g).float() / 8
-            for name, p in _net().named_parameters()}
-
-
 def _reference(dps: list[int]) -> tuple[dict, dict]:
-    net = _net()
+    net = const_grad_net(SHAPES)
     opt = torch.optim.AdamW(net.parameters(), **ADAMW)
-    for step, dp in enumerate(dps):
-        consts = [_consts(step, r) for r in range(dp)]
-        for name, p in net.named_parameters():
-            p.grad = sum(c[name] for c in consts) / dp
-        for st in opt.state.values():
-            st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].float(), st["exp_avg_sq"].float()
-        opt.step()
-        for st in opt.state.values():
-            st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].bfloat16(), st["exp_avg_sq"].bfloat16()
+    const_grad_reference(net, [opt], dps, state_dtype=torch.bfloat16)
     names = dict(net.named_parameters())
     return ({n: p.detach().clone() for n, p in names.items()},
             {n: opt.state[p]["exp_avg"].clone() for n, p in names.items()})
@@ -64,16 +36,14 @@ def _build(dp: int, zero: int):
     from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedOptimizer
 
     mesh = init_mesh({"dp": dp})
-    ddp = DistributedDataParallel(_net(), mesh, DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
+    ddp = DistributedDataParallel(const_grad_net(SHAPES), mesh, DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
     opt = DistributedOptimizer(ddp, torch.optim.AdamW(ddp.module.parameters(), **ADAMW), zero_stage=zero,
                                state_dtype="bf16")
     return mesh, ddp, opt
 
 
 def _step(mesh, ddp, opt, step: int) -> None:
-    opt.zero_grad()
-    ddp(_consts(step, mesh.get_local_rank())).backward()
-    opt.step()
+    const_grad_step(ddp, opt, dyadic_consts(const_grad_net(SHAPES), step, mesh.get_local_rank()))
 
 
 def _train_save(path: str) -> None:

@@ -19,60 +19,35 @@ TP_PLACEMENT = {"a": 0, "b": 1, "c": 0, "d": 1}  # e stays whole on every tp ran
 
 
 def _net():
-    import torch
-    from torch import nn
+    from vescale.core.testing.const_grads import const_grad_net
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            for name, (m, n) in SHAPES.items():
-                setattr(self, name, nn.Linear(n, m, bias=name == "b"))
-            self.norm = nn.LayerNorm(16)
-
-        def forward(self, consts: dict):
-            from torch.distributed.tensor import DTensor
-
-            total = 0.0
-            for name, p in self.named_parameters():
-                term = (p * consts[name]).sum()
-                total = total + (term.full_tensor() if isinstance(term, DTensor) else term)
-            return total
-
-    torch.manual_seed(0)
-    return Net()
+    return const_grad_net(SHAPES, norm=16)
 
 
 def _consts(net, step: int, rank: int) -> dict:
-    import torch
+    from vescale.core.testing.const_grads import dyadic_consts
 
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return {name: torch.randint(-16, 17, tuple(p.shape), generator=g).float() / 8
-            for name, p in net.named_parameters()}
+    return dyadic_consts(net, step, rank)
 
 
 def _reference(dp: int, steps: int = 2) -> dict:
     """One device: torch Muon on the five matrices, AdamW on the rest, gradients the mean of the dp ranks'."""
     import torch
 
+    from vescale.core.testing.const_grads import const_grad_reference, split_matrices
+
     net = _net()
-    mats = [getattr(net, n).weight for n in SHAPES]
-    rest = [p for p in net.parameters() if all(p is not m for m in mats)]
-    muon, adamw = torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)
-    for step in range(steps):
-        consts = [_consts(net, step, r) for r in range(dp)]
-        for name, p in net.named_parameters():
-            p.grad = sum(c[name] for c in consts) / dp
-        muon.step()
-        adamw.step()
+    mats, rest = split_matrices(net, SHAPES)
+    const_grad_reference(net, [torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)], [dp] * steps)
     return {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
 def _run(mesh, zero: int, tp: int) -> None:
     import torch
-    from torch import nn
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from vescale.core.mesh import mesh_coordinates
+    from vescale.core.testing.const_grads import const_grad_step, shard_consts, shard_weights, split_matrices
     from vescale.parallel import (
         DDPOptions,
         DistributedDataParallel,
@@ -86,9 +61,7 @@ def _run(mesh, zero: int, tp: int) -> None:
     net = _net()
     tp_mesh = mesh["tp"] if tp > 1 else None
     if tp_mesh is not None:
-        for name, dim in TP_PLACEMENT.items():
-            lin = getattr(net, name)
-            lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp_mesh, [Shard(dim)]))
+        shard_weights(net, tp_mesh, TP_PLACEMENT)
     what = f"dp{dp} x tp{tp} zero{zero}"
     if zero == 3:
         model = fully_shard_dp(net, mesh, blocks=None)
@@ -97,8 +70,7 @@ def _run(mesh, zero: int, tp: int) -> None:
         model = DistributedDataParallel(net, mesh["dp"] if tp > 1 else mesh,
                                         DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
         inner = model.module
-    mats = [getattr(inner, n).weight for n in SHAPES]
-    rest = [p for p in inner.parameters() if all(p is not m for m in mats)]
+    mats, rest = split_matrices(inner, SHAPES)
     muon, adamw = torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)
     if zero == 3:
         opt = MatrixOptimizer(inner, muon, adamw)
@@ -106,15 +78,9 @@ def _run(mesh, zero: int, tp: int) -> None:
         opt = DistributedMatrixOptimizer(model, muon, adamw, zero_stage=zero)
     for step in range(2):
         consts = _consts(_net(), step, dp_rank)
-        if tp_mesh is not None and zero != 3:
-            consts = {n: distribute_tensor(c, tp_mesh, getattr(inner, n.split(".")[0]).weight.placements)
-                      if n.endswith("weight") and n.split(".")[0] in TP_PLACEMENT else c for n, c in consts.items()}
-        if tp_mesh is not None and zero == 3:
-            consts = {n: distribute_tensor(c, tp_mesh, [Shard(TP_PLACEMENT[n.split(".")[0]])])
-                      if n.endswith("weight") and n.split(".")[0] in TP_PLACEMENT else c for n, c in consts.items()}
-        opt.zero_grad()
-        model(consts).backward()
-        opt.step()
+        if tp_mesh is not None:  # each weight's constant placed as the weight (ZeRO 1/2 keep its placement)
+            consts = shard_consts(consts, tp_mesh, TP_PLACEMENT)
+        const_grad_step(model, opt, consts)
     want = _reference(dp)
     for name, p in inner.named_parameters():
         got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
@@ -202,11 +168,11 @@ def test_one_rank_matches_torch_and_state_dict_round_trips():
     import pytest
     import torch
 
+    from vescale.core.testing.const_grads import split_matrices
     from vescale.parallel import MatrixOptimizer, ZeroError
 
     def make(net):
-        mats = [getattr(net, n).weight for n in SHAPES]
-        rest = [p for p in net.parameters() if all(p is not m for m in mats)]
+        mats, rest = split_matrices(net, SHAPES)
         return MatrixOptimizer(net, torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW))
 
     def step(net, opt, i):

@@ -18,28 +18,15 @@ SHAPES = {"a": (24, 16), "b": (8, 24), "c": (32, 8)}
 
 
 def _net():
-    import torch
-    from torch import nn
+    from vescale.core.testing.const_grads import const_grad_net
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            for name, (m, n) in SHAPES.items():
-                setattr(self, name, nn.Linear(n, m, bias=name == "b"))
-
-        def forward(self, consts: dict):
-            return sum((p * consts[name]).sum() for name, p in self.named_parameters())
-
-    torch.manual_seed(0)
-    return Net()
+    return const_grad_net(SHAPES)
 
 
 def _consts(step: int, rank: int) -> dict:
-    import torch
+    from vescale.core.testing.const_grads import dyadic_consts
 
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return {name: torch.randint(-16, 17, tuple(p.shape), generator=g).float() / 8
-            for name, p in _net().named_parameters()}
+    return dyadic_consts(_net(), step, rank)
 
 
 def _reference(dp: int, steps: int = 2, state_dtype=None) -> dict:
@@ -47,27 +34,15 @@ def _reference(dp: int, steps: int = 2, state_dtype=None) -> dict:
     AdamW on the biases; with ``state_dtype`` their state is rounded to it after each step and widened before."""
     import torch
 
+    from vescale.core.testing.const_grads import const_grad_reference, split_matrices
+
     net = _net()
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(p.to(torch.bfloat16))
-    mats = [getattr(net, n).weight for n in SHAPES]
-    rest = [p for p in net.parameters() if all(p is not m for m in mats)]
-    muon, adamw = torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)
-    for step in range(steps):
-        consts = [_consts(step, r) for r in range(dp)]
-        for name, p in net.named_parameters():
-            p.grad = sum(c[name] for c in consts) / dp
-        for opt in (muon, adamw):
-            for st in opt.state.values():
-                for k, v in st.items():
-                    if state_dtype is not None and v.dim() > 0:
-                        st[k] = v.float()
-            opt.step()
-            for st in opt.state.values():
-                for k, v in st.items():
-                    if state_dtype is not None and v.dim() > 0:
-                        st[k] = v.to(state_dtype)
+    mats, rest = split_matrices(net, SHAPES)
+    const_grad_reference(net, [torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)], [dp] * steps,
+                         state_dtype=state_dtype)
     return {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
@@ -76,6 +51,7 @@ def test_muon_bf16_params_dp2_zero012_bitwise():
     import torch
 
     from vescale.core.mesh import init_mesh
+    from vescale.core.testing.const_grads import const_grad_step, split_matrices
     from vescale.parallel import DDPOptions, DistributedDataParallel, DistributedMatrixOptimizer
 
     mesh = init_mesh({"dp": 2})
@@ -83,14 +59,11 @@ def test_muon_bf16_params_dp2_zero012_bitwise():
         want = _reference(2, state_dtype=state_dtype)
         ddp = DistributedDataParallel(_net().to(torch.bfloat16), mesh,
                                       DDPOptions(bucket_size_mb=0.0005, zero_stage=zero))
-        mats = [getattr(ddp.module, n).weight for n in SHAPES]
-        rest = [p for p in ddp.module.parameters() if all(p is not m for m in mats)]
+        mats, rest = split_matrices(ddp.module, SHAPES)
         opt = DistributedMatrixOptimizer(ddp, torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW),
                                          zero_stage=zero, state_dtype=state_dtype)
         for step in range(2):
-            opt.zero_grad()
-            ddp(_consts(step, mesh.get_local_rank())).backward()
-            opt.step()
+            const_grad_step(ddp, opt, _consts(step, mesh.get_local_rank()))
         for name, p in ddp.module.named_parameters():
             assert p.dtype == torch.bfloat16
             assert torch.equal(p.detach(), want[name].to(torch.bfloat16)), f"zero {zero} {name}"

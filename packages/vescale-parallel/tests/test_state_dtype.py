@@ -19,54 +19,26 @@ STEPS = 3
 
 
 def _net():
-    import torch
-    from torch import nn
+    from vescale.core.testing.const_grads import const_grad_net
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            for name, (m, n) in SHAPES.items():
-                setattr(self, name, nn.Linear(n, m, bias=name == "b"))
-            self.norm = nn.LayerNorm(16)
-
-        def forward(self, consts: dict):
-            from torch.distributed.tensor import DTensor
-
-            total = 0.0
-            for name, p in self.named_parameters():
-                term = (p * consts[name]).sum()
-                total = total + (term.full_tensor() if isinstance(term, DTensor) else term)
-            return total
-
-    torch.manual_seed(0)
-    return Net()
+    return const_grad_net(SHAPES, norm=16)
 
 
 def _consts(step: int, rank: int) -> dict:
-    import torch
+    from vescale.core.testing.const_grads import dyadic_consts
 
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return {name: torch.randint(-16, 17, tuple(p.shape), generator=g).float() / 8
-            for name, p in _net().named_parameters()}
+    return dyadic_consts(_net(), step, rank)
 
 
 def _reference(dp: int, state_dtype) -> tuple[dict, dict]:
     """One device, torch's AdamW; its moments rounded to ``state_dtype`` after every step, widened before."""
     import torch
 
+    from vescale.core.testing.const_grads import const_grad_reference
+
     net = _net()
     opt = torch.optim.AdamW(net.parameters(), **ADAMW)
-    for step in range(STEPS):
-        consts = [_consts(step, r) for r in range(dp)]
-        for name, p in net.named_parameters():
-            p.grad = sum(c[name] for c in consts) / dp
-        for st in opt.state.values():
-            for k in ("exp_avg", "exp_avg_sq"):
-                st[k] = st[k].float()
-        opt.step()
-        for st in opt.state.values():
-            for k in ("exp_avg", "exp_avg_sq"):
-                st[k] = st[k].to(state_dtype)
+    const_grad_reference(net, [opt], [dp] * STEPS, state_dtype=state_dtype)
     names = dict(net.named_parameters())
     moments = {n: opt.state[p]["exp_avg_sq"].clone() for n, p in names.items()}
     return {n: p.detach().clone() for n, p in names.items()}, moments
@@ -74,10 +46,10 @@ def _reference(dp: int, state_dtype) -> tuple[dict, dict]:
 
 def _run(mesh, zero: int, tp: int) -> None:
     import torch
-    from torch import nn
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from vescale.core.mesh import mesh_coordinates
+    from vescale.core.testing.const_grads import const_grad_step, shard_consts, shard_weights
     from vescale.parallel import (
         DDPOptions,
         DistributedDataParallel,
@@ -92,9 +64,7 @@ def _run(mesh, zero: int, tp: int) -> None:
     net = _net()
     tp_mesh = mesh["tp"] if tp > 1 else None
     if tp_mesh is not None:
-        for name, dim in TP_PLACEMENT.items():
-            lin = getattr(net, name)
-            lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp_mesh, [Shard(dim)]))
+        shard_weights(net, tp_mesh, TP_PLACEMENT)
     if zero == 3:
         model = inner = fully_shard_dp(net, mesh, blocks=None)
         opt = low_precision_state(torch.optim.AdamW(net.parameters(), **ADAMW), "bf16")
@@ -107,11 +77,8 @@ def _run(mesh, zero: int, tp: int) -> None:
     for step in range(STEPS):
         consts = _consts(step, dp_rank)
         if tp_mesh is not None:
-            consts = {n: distribute_tensor(c, tp_mesh, [Shard(TP_PLACEMENT[n[0]])])
-                      if n[0] in TP_PLACEMENT and n.endswith("weight") else c for n, c in consts.items()}
-        opt.zero_grad()
-        model(consts).backward()
-        opt.step()
+            consts = shard_consts(consts, tp_mesh, TP_PLACEMENT)
+        const_grad_step(model, opt, consts)
     want, want_sq = _reference(dp, torch.bfloat16)
     for name, p in inner.named_parameters():
         got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
