@@ -91,6 +91,10 @@ def _init_fns():
         "dropout": lambda t: F.dropout(t.fill_(1.5), 0.4),
         "rand_like": lambda t: torch.rand_like(t),
         "randn_like": lambda t: torch.randn_like(t),
+        "exponential_": lambda t: t.exponential_(1.7),
+        "geometric_": lambda t: t.geometric_(0.3),
+        "log_normal_": lambda t: t.log_normal_(0.2, 0.5),
+        "cauchy_": lambda t: t.cauchy_(-1.0, 2.0),
     }
 
 

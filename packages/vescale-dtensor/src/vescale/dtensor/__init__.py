@@ -20,6 +20,7 @@ from vescale.dtensor.errors import (
     DeferredInitError,
     PlacementError,
     StrictRedistributeError,
+    UndrawnRandomError,
     ViewRedistributeError,
 )
 from vescale.dtensor.placements import InterleavedShard, RaggedShard, as_interleaved, is_interleaved
@@ -55,4 +56,5 @@ __all__ = [
     "ViewRedistributeError",
     "DeferredInitError",
     "CompiledRandomError",
+    "UndrawnRandomError",
 ]

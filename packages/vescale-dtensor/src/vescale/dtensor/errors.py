@@ -36,3 +36,8 @@ class CompiledRandomError(VescaleError, RuntimeError):
 class CheckpointReplayError(VescaleError, RuntimeError):
     """A checkpointed region's recompute made a random call that its forward did not make (different control flow,
     ``p`` or ``training`` between forward and backward), so its values cannot be replayed."""
+
+
+class UndrawnRandomError(VescaleError, NotImplementedError):
+    """A random aten op that vescale's counter RNG does not draw (``multinomial``, ``rrelu_with_noise``, ...) reached a
+    DTensor while the counter RNG is installed: torch's per-rank generator would give values no one device gives."""

@@ -37,7 +37,6 @@ saves are simply not replayed. A recompute that makes a random call its forward 
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -48,13 +47,24 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from vescale.core import torch_internals
 from vescale.core.torch_internals import TorchDispatchMode
-from vescale.dtensor._philox import MASK32, philox4x32
-from vescale.dtensor.errors import CheckpointReplayError, CompiledRandomError, PlacementError
+from vescale.dtensor._random_values import (
+    MANTISSA,
+    cauchy_values,
+    check_params,
+    exponential_values,
+    geometric_values,
+    log_normal_values,
+    normal_values,
+    randint_values,
+    uniform01,
+    uniform_values,
+)
+from vescale.dtensor.errors import CheckpointReplayError, CompiledRandomError, PlacementError, UndrawnRandomError
 from vescale.dtensor.layout import global_flat_index
 
 __all__ = ["manual_seed", "initial_seed", "get_state", "set_state", "single_device", "rand", "randn", "randint",
            "normal_", "uniform_", "bernoulli_", "dropout", "is_installed", "uninstall", "fill_random",
-           "CheckpointReplayError"]
+           "CheckpointReplayError", "undrawn_random_ops"]
 
 aten = torch.ops.aten
 
@@ -150,58 +160,9 @@ def _replay(region, token, key: str) -> tuple[int, int]:
     return drawn[i]
 
 
-# ---------------------------------------------------------------------------------------------------- value kernels
-
-_MANTISSA = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
-_BLOCK = 1 << 20  # elements generated per block
-
-
-def _words(index: torch.Tensor, seq: int, seed: int):
-    return philox4x32(index & MASK32, index >> 32, seq & MASK32, (seq >> 32) & MASK32, seed & MASK32,
-                      (seed >> 32) & MASK32)
-
-
-def _unit(hi: torch.Tensor, lo: torch.Tensor, bits: int) -> torch.Tensor:
-    """Uniform in [0, 1) with ``bits`` random bits (<= 53), exact in float64."""
-    if bits <= 32:
-        return (hi >> (32 - bits)).to(torch.float64) * (2.0 ** -bits)
-    return ((hi << (bits - 32)) | (lo >> (64 - bits))).to(torch.float64) * (2.0 ** -bits)
-
-
-def uniform_values(index: torch.Tensor, seq: int, seed: int, low: float, high: float,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """Uniform values in ``[low, high)`` for global element ``index`` (float64 math, cast to ``dtype``)."""
-    w0, w1, _, _ = _words(index, seq, seed)
-    u = _unit(w0, w1, _MANTISSA.get(dtype, 53))
-    return (u * (high - low) + low).to(dtype)
-
-
-def normal_values(index: torch.Tensor, seq: int, seed: int, mean: float, std: float,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """Normal values (Box-Muller on 53-bit uniforms, float64 math, cast to ``dtype``) for global ``index``."""
-    w0, w1, w2, w3 = _words(index, seq, seed)
-    u1 = 1.0 - _unit(w0, w1, 53)  # (0, 1]: log is finite
-    u2 = _unit(w2, w3, 53)
-    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
-    return (z * std + mean).to(dtype)
-
-
-def randint_values(index: torch.Tensor, seq: int, seed: int, low: int, high: int, dtype: torch.dtype) -> torch.Tensor:
-    """Integers uniform in ``[low, high)`` (53-bit multiply-floor; span must be below 2**53)."""
-    span = int(high) - int(low)
-    if span <= 0 or span >= 1 << 53:
-        raise ValueError(f"randint: need 0 < high - low < 2**53, got low={low}, high={high}")
-    w0, w1, _, _ = _words(index, seq, seed)
-    k = torch.floor(_unit(w0, w1, 53) * span).to(torch.int64).clamp_(max=span - 1)
-    return (k + int(low)).to(dtype)
-
-
-def _uniform01(index: torch.Tensor, seq: int, seed: int) -> torch.Tensor:
-    w0, w1, _, _ = _words(index, seq, seed)
-    return _unit(w0, w1, 53)
-
-
 # ------------------------------------------------------------------------------------------------------- targets
+
+_BLOCK = 1 << 20  # elements generated per block
 
 def _index_placements(placements: Sequence[Placement], op: str, allow_partial: bool) -> tuple[Placement, ...]:
     out = []
@@ -233,12 +194,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def fill_random(target: torch.Tensor, kind: str, *params, seq: int | None = None, seed: int | None = None,
                 index: torch.Tensor | None = None, key: str | None = None) -> torch.Tensor:
     """Overwrite ``target`` (plain tensor or DTensor) in place with ``kind`` in ``uniform``/``normal``/``randint``/
-    ``bernoulli`` values; consumes one sequence number unless ``seq`` is given. Returns ``target``.
+    ``bernoulli``/``exponential``/``geometric``/``log_normal``/``cauchy`` values (``params`` as the aten op takes them
+    after the tensor); consumes one sequence number unless ``seq`` is given. Returns ``target``.
 
     ``index`` overrides the global element indices (deferred init passes the indices of a view). ``key`` names the
     call for checkpoint replay (the aten op; default ``kind``); inside a checkpoint recompute the forward's values
     are replayed (module docstring).
     """
+    check_params(kind, params)  # torch's own refusals, before a sequence number is spent
     if seq is None:
         drawn_seed, seq = _draw(key or kind)
         seed = drawn_seed if seed is None else seed
@@ -275,14 +238,22 @@ def _values(kind: str, idx: torch.Tensor, seq: int, seed: int, params, dtype: to
     if kind == "bernoulli":
         p = params[0]
         p = p[start:start + idx.numel()] if isinstance(p, torch.Tensor) else float(p)
-        return (_uniform01(idx, seq, seed) < p).to(dtype)
+        return (uniform01(idx, seq, seed) < p).to(dtype)
+    if kind == "exponential":
+        return exponential_values(idx, seq, seed, float(params[0]), dtype)
+    if kind == "geometric":
+        return geometric_values(idx, seq, seed, float(params[0]), dtype)
+    if kind == "log_normal":
+        return log_normal_values(idx, seq, seed, float(params[0]), float(params[1]), dtype)
+    if kind == "cauchy":
+        return cauchy_values(idx, seq, seed, float(params[0]), float(params[1]), dtype)
     raise ValueError(f"fill_random: unknown kind {kind!r}")
 
 
 def _random_bounds(t: torch.Tensor, frm, to) -> tuple[int, int]:
     if to is None:
         if t.dtype.is_floating_point:
-            to = (1 << _MANTISSA.get(t.dtype, 53)) + 1
+            to = (1 << MANTISSA.get(t.dtype, 53)) + 1
         elif t.dtype == torch.bool:
             to = 2
         else:
@@ -301,7 +272,7 @@ def _dropout(x: torch.Tensor, p: float, train: bool | None):
         noise = torch.empty_like(local)
         if not local.is_meta:
             idx = _index_of(x, "dropout", allow_partial=True).to(local.device)
-            noise.copy_((_uniform01(idx, seq, seed) < 1.0 - p).view(local.shape))
+            noise.copy_((uniform01(idx, seq, seed) < 1.0 - p).view(local.shape))
         keep = noise != 0
         noise.div_(1.0 - p) if p < 1.0 else noise.zero_()
         out_local = local * noise
@@ -328,6 +299,21 @@ def _like(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         _index_placements(spec.placements, "random *_like", allow_partial=False)
         return DTensor(out_local, _with_dtype(spec, dtype), requires_grad=False)
     return out_local
+
+
+#: In-place fills of the inverse-CDF distributions: op -> (kind, ((argument name, default), ...)) as torch's schema.
+_DISTRIBUTIONS = {
+    aten.exponential_.default: ("exponential", (("lambd", 1.0),)),
+    aten.geometric_.default: ("geometric", (("p", None),)),
+    aten.log_normal_.default: ("log_normal", (("mean", 1.0), ("std", 2.0))),
+    aten.cauchy_.default: ("cauchy", (("median", 0.0), ("sigma", 1.0))),
+}
+
+
+def _args(positional: Sequence, kwargs: dict, defaults: tuple[tuple[str, object], ...]) -> list:
+    """The values of the parameters ``defaults`` names, from positional arguments, then keywords, then defaults."""
+    return [positional[i] if i < len(positional) else kwargs.get(name, default)
+            for i, (name, default) in enumerate(defaults)]
 
 
 def _handle(func, args, kwargs, index: torch.Tensor | None = None):
@@ -373,6 +359,9 @@ def _handle(func, args, kwargs, index: torch.Tensor | None = None):
             to = args[2] if len(args) > 2 else kwargs.get("to")
             frm, to = _random_bounds(t, frm, to)
         return fill(t, "randint", frm, to, index=index)
+    if func in _DISTRIBUTIONS:
+        kind, defaults = _DISTRIBUTIONS[func]
+        return fill(args[0], kind, *_args(args[1:], kwargs, defaults), index=index)
     if func is aten.native_dropout.default:
         return _dropout(args[0], float(args[1]), args[2] if len(args) > 2 else kwargs.get("train"))
     if func in (aten.rand_like.default, aten.randn_like.default):
@@ -406,15 +395,53 @@ def _handle_factory(func, args, kwargs):
 _DTENSOR_OPS = (aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor,
                 aten.bernoulli.default, aten.bernoulli.p, aten.random_.default, aten.random_.to,
                 getattr(aten.random_, "from"), aten.native_dropout.default, aten.rand_like.default,
-                aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype)
+                aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype, *_DISTRIBUTIONS)
 _FACTORY_OPS = (aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low)
+
+
+#: Seeded kernels that draw only with an argument (attention's ``dropout_p``, an RNN's ``dropout``) or not at all:
+#: not refused here (SDPA with dropout on DTensors is refused by its sharding rule).
+_CONDITIONAL = ("attention", "sdp", "rnn", "lstm", "gru", "cudnn", "miopen", "nested_tensor")
+
+
+@functools.cache
+def undrawn_random_ops() -> tuple:
+    """The ATen random ops (torch's ``nondeterministic_seeded`` tag) that take a tensor and reach DTensor dispatch
+    (not ``CompositeImplicitAutograd``: those decompose first), that the counter RNG does not draw, less the
+    kernels that draw only with a dropout argument. While the counter RNG is installed each of them raises
+    :class:`UndrawnRandomError` on a DTensor instead of drawing per rank from torch's generator."""
+    drawn = set(_DTENSOR_OPS) | set(_FACTORY_OPS)
+    out = []
+    for name in sorted(torch._C._dispatch_get_all_op_names()):
+        if not name.startswith("aten::") or any(word in name for word in _CONDITIONAL):
+            continue
+        base, _, overload = name[len("aten::"):].partition(".")
+        op = getattr(getattr(aten, base, None), overload or "default", None)
+        if op is None or op in drawn or torch.Tag.nondeterministic_seeded not in op.tags:
+            continue
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"):
+            continue
+        if any(a.type.isSubtypeOf(torch._C.TensorType.get()) for a in op._schema.arguments):
+            out.append(op)
+    return tuple(out)
+
+
+def _refuse(func, args, kwargs):
+    """Custom DTensor handler of :func:`undrawn_random_ops`: the same refusal on every rank (SPMD), no collective."""
+    raise UndrawnRandomError(
+        f"{func} on a DTensor: vescale's counter RNG does not draw this op, so each rank would draw from torch's own "
+        "generator and the values would not be one device's (under data or tensor parallelism alike). Draw it on a "
+        "plain tensor outside the parallel region, turn it off (eval mode), or call "
+        "vescale.dtensor.random.uninstall() to accept torch's per-rank values")
 
 
 def _install() -> None:
     global _installed
     if not _installed:
         # torch's own extension point for per-op DTensor behaviour (loss_parallel uses it the same way).
-        torch_internals.dtensor_custom_op_handlers().update({op: _handle for op in _DTENSOR_OPS})
+        handlers = torch_internals.dtensor_custom_op_handlers()
+        handlers.update({op: _refuse for op in undrawn_random_ops()})
+        handlers.update({op: _handle for op in _DTENSOR_OPS})
         _installed = True
 
 
@@ -427,8 +454,8 @@ def uninstall() -> None:
     """Give DTensor random ops back to torch's own RNG (until the next :func:`manual_seed`)."""
     global _installed
     handlers = torch_internals.dtensor_custom_op_handlers()
-    for op in _DTENSOR_OPS:
-        if handlers.get(op) is _handle:
+    for op in (*_DTENSOR_OPS, *undrawn_random_ops()):
+        if handlers.get(op) in (_handle, _refuse):
             del handlers[op]
     _installed = False
 
