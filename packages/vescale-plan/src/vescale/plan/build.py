@@ -21,7 +21,6 @@ setup, the pipeline engine's), in the same order on every rank.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -442,9 +441,9 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
     pp, ep, cp = roles.pp.size, roles.ep.size, roles.cp.size
     from vescale.plan.lora import is_lora_model
 
-    if is_lora_model(model) and (ep > 1 or cp > 1):
-        raise SpecError(f"a LoRA (peft) model runs on dp, tp, pp and ZeRO 0-3; ep={ep} and cp={cp} are not "
-                        "supported yet")
+    if is_lora_model(model) and cp > 1:
+        raise SpecError(f"a LoRA (peft) model on cp={cp} is refused: context parallelism is not implemented for "
+                        "peft's LoRA layers (a LoRA model runs on dp, tp, pp, ep and ZeRO 0-3); use cp=1")
     if ep > 1 and "dp" not in roles.mesh.mesh_dim_names and (pp > 1 or spec.zero or spec.dtype != "fp32"):
         raise SpecError(f"mesh {roles.mesh.mesh_dim_names}: ep with pp, ZeRO or bf16 reduces through DDP over dp x "
                         "ep; give the mesh a dp dim (dp=1 will do)")
@@ -461,7 +460,9 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
                             "is recorded by deferred_init")
         float8_linears(model, spec.fp8, tp=roles.tp.size,
                        fsdp_float8_all_gather=spec.fp8 == "tensorwise" and spec.zero == 3 and roles.tp.size == 1)
-    params = inspect.signature(model.forward).parameters
+    from vescale.plan.lora import forward_parameters
+
+    params = forward_parameters(model)  # (a task-less PeftModel: its inner model's names)
     out = Parallelized(spec, roles, [model], loss_fn=loss_fn, _by_name="input_ids" in params,
                        _input_name="input_ids" if "input_ids" in params else next(iter(params), "input_ids"))
     if spec.document_mask and not out._by_name and not {"positions", "documents"} <= set(params):

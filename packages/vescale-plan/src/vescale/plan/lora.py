@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import re
 from typing import Any
 
@@ -36,7 +37,7 @@ from vescale.plan.decisions import AutoPlan, Decision
 from vescale.plan.spec import SpecError
 
 __all__ = ["AdapterState", "is_lora_model", "has_adapters", "lora_layers", "lora_plan", "adapter_placements",
-           "adapter_state", "base_fqn", "base_view", "inner_prefix"]
+           "adapter_state", "base_fqn", "base_view", "inner_prefix", "forward_parameters"]
 
 _ADAPTERS = ("lora_A", "lora_B")
 # LoRA variants whose extra tensors have no placement rule here (DoRA's magnitudes, embedding adapters, ...)
@@ -66,6 +67,20 @@ def inner_prefix(model: nn.Module) -> str:
         if m is inner:
             return f"{fqn}."
     return ""
+
+
+def forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
+    """The named parameters of ``model.forward``; for a wrapper whose forward passes only ``*args, **kwargs`` on
+    (peft's task-less ``PeftModel``), those of the model it wraps, so a caller knows it takes ``input_ids=`` (the name
+    an ep or dp plan places the batch by)."""
+    params = dict(inspect.signature(model.forward).parameters)
+    variadic = {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    get = getattr(model, "get_base_model", None)
+    if params and all(p.kind in variadic for p in params.values()) and callable(get):
+        inner = get()
+        if inner is not model:
+            return forward_parameters(inner)
+    return params
 
 
 def base_fqn(fqn: str, prefix: str = "") -> str:
