@@ -89,6 +89,47 @@ def test_lora_target_matching_nothing_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"--lora target 'qkv' matches no module"):
         train.main(["--model", str(model_dir), "--mesh", "tp=2", "--steps", "1", "--data", "markov",
                     "--lora", "r=4,alpha=8,targets=q_proj,qkv", "--out", str(tmp_path / "run")])
-    with pytest.raises(SystemExit, match=r"--lora with pp=2 is not supported"):
-        train.main(["--model", str(model_dir), "--mesh", "pp=2", "--steps", "1", "--data", "markov",
+    with pytest.raises(SystemExit, match=r"--lora with cp=2 is not supported"):
+        train.main(["--model", str(model_dir), "--mesh", "cp=2", "--steps", "1", "--data", "markov",
                     "--lora", "r=4,targets=q_proj", "--out", str(tmp_path / "run")])
+
+
+def _lora_run(tmp_path: Path, model_dir: Path, mesh: str, world: int) -> tuple[dict, dict]:
+    """``train.train`` with ``--lora`` on ``mesh`` (``world`` ranks), exported: its summary and its PEFT adapters."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / mesh.replace(",", "_").replace("=", "")
+    cfg = train.TrainConfig(mesh=mesh, model=str(model_dir), steps=2, batch_size=4, seq_len=16, lr=2e-2, warmup=1,
+                            out=str(out / "run"), trace_steps=0, quiet=True, data="markov",
+                            export_hf=str(out / "export"),
+                            lora={"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q_proj", "v_proj", "down_proj"]})
+    cfg.dims = parse_mesh_spec(cfg.mesh)
+    summary = run_on_ranks(train.train, world, cfg)[0]
+    return summary, load_file(str(out / "export" / "adapter" / "adapter_model.safetensors"))
+
+
+def test_lora_pipeline_equals_one_rank(tmp_path):
+    """``--mesh pp=2 --lora``: the base weights load into each stage, the export gathers both stages' adapters, and
+    after two steps they equal one rank's run (same data and seed); the PEFT export loads with ``from_pretrained`` and
+    computes what the merged export (both stages' base weights, merged) computes."""
+    import transformers as tf
+    from peft import PeftModel
+
+    model_dir = _model_dir(tmp_path / "tiny-llama")
+    one, want = _lora_run(tmp_path, model_dir, "dp=1", 1)
+    two, got = _lora_run(tmp_path, model_dir, "pp=2", 2)
+    assert sorted(got) == sorted(want) and len(got) == 2 * 3 * 2, sorted(got)[:4]
+    assert any(n.endswith("lora_B.weight") and t.abs().max() > 0 for n, t in got.items())  # trained
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-6, msg=name)
+    assert two["first_loss"] == pytest.approx(one["first_loss"], rel=1e-5)
+    loaded = PeftModel.from_pretrained(_base(model_dir), tmp_path / "pp2" / "export" / "adapter").eval()
+    state = loaded.state_dict()
+    for name, t in got.items():  # PEFT's loaded names keep the adapter name
+        torch.testing.assert_close(state[name.replace(".weight", ".default.weight")], t, rtol=0, atol=0)
+    tokens = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(3))
+    merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pp2" / "export", attn_implementation="eager").eval()
+    with torch.no_grad():
+        want_logits = loaded(input_ids=tokens).logits
+        assert not torch.allclose(want_logits, _base(model_dir)(tokens).logits)
+        torch.testing.assert_close(merged(tokens).logits, want_logits, rtol=1e-5, atol=1e-5)

@@ -1,12 +1,14 @@
 """``tools/train.py --lora r=8,alpha=16,targets=q_proj,k_proj,v_proj,o_proj``: LoRA fine-tuning with ``peft``.
 
 ``parse_lora`` reads the flag; ``lora_problems`` refuses (before any rank starts) a target that matches no module of
-the model, a model without a transformers class, and the meshes LoRA does not run on yet (pp, ep, cp); ``creator``
+the model, a model without a transformers class, and the meshes LoRA does not run on yet (ep, cp); ``creator``
 makes the PEFT model inside ``build_model``'s creation (so deferred init records the adapters too);
-``load_pretrained`` fills the frozen base weights from the model directory under their unwrapped names; ``export``
-writes the merged model (through ``models.export_run``, the one HF exporter) and the adapters in PEFT's own format
-(``<DIR>/adapter``, what ``PeftModel.from_pretrained`` loads). Plans, checkpoints (adapters only) and the adapters'
-layout on any mesh are ``vescale.plan``'s (``vescale.plan.lora``).
+``load_pretrained`` fills the frozen base weights from the model directory under their unwrapped names (the model,
+or a pipeline rank's stages, which keep the PEFT names); ``export`` writes the merged model (through
+``models.export_run``, the one HF exporter; each rank merges the layers it holds) and the adapters in PEFT's own format
+(``<DIR>/adapter``, what ``PeftModel.from_pretrained`` loads: every rank's adapters through a checkpoint, written once
+by rank 0). Plans, checkpoints (adapters only) and the adapters' layout on any mesh are ``vescale.plan``'s
+(``vescale.plan.lora``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import models
 import torch
 from torch import nn
 
-__all__ = ["parse_lora", "lora_problems", "creator", "wrap", "load_pretrained", "export", "ADAPTER_DIR"]
+__all__ = ["parse_lora", "lora_problems", "creator", "wrap", "lora_config", "load_pretrained", "peft_names", "export",
+           "ADAPTER_DIR"]
 
 #: the adapters' directory inside ``--export-hf DIR``
 ADAPTER_DIR = "adapter"
@@ -63,9 +66,10 @@ def lora_problems(cfg) -> list[str]:
                    "> 0 and dropout in [0, 1)")
     if not lora["targets"]:
         out.append("--lora names no targets (targets=q_proj,k_proj,...)")
-    for dim in ("pp", "ep", "cp"):  # (vescale.plan.build takes a LoRA model on pp; this job's load and export not)
+    for dim in ("ep", "cp"):
         if cfg.dims.get(dim, 1) > 1:
-            out.append(f"--lora with {dim}={cfg.dims[dim]} is not supported yet (--lora runs on dp, tp and ZeRO 0-3)")
+            out.append(f"--lora with {dim}={cfg.dims[dim]} is not supported yet (--lora runs on dp, tp, pp and "
+                       "ZeRO 0-3)")
     if not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         out.append(f"--lora needs a transformers model (--model DIR or one of {sorted(models.HF_MODELS)}); "
                    f"{cfg.model} is not one")
@@ -95,75 +99,115 @@ def wrap(model: nn.Module, lora: dict | None) -> nn.Module:
     """``model`` as a PEFT LoRA model (``get_peft_model``; base weights frozen, adapters trained), or as is."""
     if lora is None:
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                        target_modules=list(lora["targets"]))
-    return get_peft_model(model, config)
+    return get_peft_model(model, lora_config(lora))
+
+
+def lora_config(lora: dict):
+    """The ``peft.LoraConfig`` of the ``--lora`` settings (what :func:`wrap` applies and the export records)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=list(lora["targets"]))
+
+
+def _prefix(modules: list[nn.Module]) -> str:
+    """The unwrapped model's FQN prefix in ``modules`` (a PEFT model, or pipeline stages, which keep its FQNs but not
+    its wrapper: ``get_peft_model``'s ``base_model.model.`` read from the names)."""
+    from vescale.plan.lora import inner_prefix
+
+    prefix = inner_prefix(modules[0])
+    if prefix:
+        return prefix
+    names = [n for m in modules for n, _ in m.named_parameters()]
+    return "base_model.model." if names and all(n.startswith("base_model.model.") for n in names) else ""
 
 
 def load_pretrained(src: str, modules: list[nn.Module], *, stages: bool = False,
                     tied: dict[str, str] | None = None) -> None:
-    """``models.load_pretrained``; for a LoRA model the frozen base weights, read under the unwrapped model's names
-    (each rank its own boxes), the adapters left as initialised."""
-    from vescale.plan.lora import base_fqn, inner_prefix, is_lora_model
+    """``models.load_pretrained``; for a LoRA model (one module, or a pipeline rank's stages) the frozen base weights,
+    read under the unwrapped model's names (each rank its own boxes; stages each their part, not strictly), the
+    adapters left as initialised. ``tied`` (PEFT names): a stage holding the tied output embedding reads the input
+    embedding's tensor. No communication."""
+    from vescale.checkpoint import import_hf
+    from vescale.plan.lora import base_fqn, has_adapters
 
-    if not is_lora_model(modules[0]):
+    if not has_adapters(modules):
         models.load_pretrained(src, modules, stages=stages, tied=tied)
         return
-    from vescale.checkpoint import import_hf
+    prefix = _prefix(modules)
+    files = models.hf_weight_names(src)
+    for module in modules:
+        base = {base_fqn(n, prefix): t for n, t in module.state_dict().items() if ".lora_" not in n}
+        import_hf(src, base, strict=not stages)
+        for name, t in base.items():
+            source = base_fqn((tied or {}).get(prefix + name, ""), prefix)
+            if stages and name not in files and source in files:
+                models._copy_whole(src, source, t)
 
-    model = modules[0]
-    prefix = inner_prefix(model)
-    base = {base_fqn(n, prefix): t for n, t in model.state_dict().items() if ".lora_" not in n}
-    import_hf(src, base)
 
+def _merged(modules: list[nn.Module], scaling: float) -> dict[str, torch.Tensor]:
+    """The base model's state held by ``modules`` (a model or a rank's pipeline stages) with each LoRA layer merged
+    (``W + scaling * B @ A``), by the unwrapped names, laid out as the base weights are (the adapters' layout makes
+    ``B @ A`` land on the base weight's placement; a layer's adapters live on its base layer's stage)."""
+    from vescale.plan.lora import base_fqn
 
-def _merged(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's state with each LoRA layer merged (``W + scaling * B @ A``), by the unwrapped names, laid out
-    as the base weights are (the adapters' layout makes ``B @ A`` land on the base weight's placement)."""
-    from vescale.plan.lora import base_fqn, inner_prefix, lora_layers
-
-    prefix = inner_prefix(model)
+    prefix = _prefix(modules)
     merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        layers = lora_layers(model)
-        for name, t in model.state_dict().items():
-            if ".lora_" not in name:
+        for module in modules:
+            state = module.state_dict()
+            for name, t in state.items():
+                if ".lora_" in name:
+                    continue
+                layer = name.removesuffix(".base_layer.weight")
+                for a_name in (n for n in state if layer != name and n.startswith(f"{layer}.lora_A.")
+                               and n.endswith(".weight")):
+                    a, b = state[a_name], state[a_name.replace(".lora_A.", ".lora_B.", 1)]
+                    t = t + scaling * (b @ a).to(t.dtype)
                 merged[base_fqn(name, prefix)] = t
-        for fqn, layer in layers.items():
-            weight = layer.base_layer.weight
-            for adapter in layer.active_adapters:
-                a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-                weight = weight + layer.scaling[adapter] * (b @ a).to(weight.dtype)
-            merged[base_fqn(f"{fqn}.base_layer.weight", prefix)] = weight
     return merged
+
+
+def peft_names(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors by PEFT's saved names (``...q_proj.lora_A.weight``: the adapter name ``default`` dropped, as
+    ``get_peft_model_state_dict`` writes them)."""
+    return {n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): t
+            for n, t in adapters.items()}
 
 
 def export(cfg, model: nn.Module | list[nn.Module], out: Path, log=print) -> None:
     """``--export-hf DIR``: the trained model (a LoRA model merged) as ``from_pretrained`` loads it, and with
-    ``--lora`` the adapters in PEFT's format under ``DIR/adapter``. Collective (every rank)."""
+    ``--lora`` the adapters in PEFT's format under ``DIR/adapter``. ``model``: this rank's model or pipeline stages.
+    Collective (every rank): the adapters go through a checkpoint (each rank saves what it holds, replicas once), which
+    rank 0 reads whole and writes once."""
+    import shutil
+
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    from vescale.plan.lora import is_lora_model
+    from vescale import checkpoint
+    from vescale.plan.lora import adapter_state, has_adapters
 
-    if isinstance(model, list) or not is_lora_model(model):  # (a pipeline rank's stages: --lora refuses pp)
+    held = model if isinstance(model, list) else [model]
+    if not has_adapters(held):
         models.export_run(cfg, model, out, log=log)
         return
-    models.export_run(cfg, _merged(model), out, log=log)
-    adapters = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach()  # (a collective over the mesh)
-                for n, p in model.named_parameters() if p.requires_grad}
+    models.export_run(cfg, _merged(held, cfg.lora["alpha"] / cfg.lora["r"]), out, log=log)
+    tmp = out / "export-adapter-ckpt"
+    checkpoint.save(tmp, {"adapters": adapter_state(held)})
     if dist.get_rank() == 0:
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
+        from safetensors.torch import load_file, save_file
 
+        whole = out / "export-adapter-whole"
+        files = checkpoint.export_hf(tmp, whole, prefix="adapters.")
+        adapters = {n: t for f in files if f.endswith(".safetensors") for n, t in load_file(str(whole / f)).items()}
         target = Path(cfg.export_hf, ADAPTER_DIR)
         target.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(model, state_dict={n: t.detach().contiguous().cpu()
-                                                             for n, t in adapters.items()})
-        save_file(state, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = model.peft_config["default"]
+        save_file(peft_names(adapters), str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = lora_config(cfg.lora)
         config.base_model_name_or_path = str(Path(cfg.model).resolve()) if models.is_hf_dir(cfg.model) else None
         config.save_pretrained(str(target))
-        log(f"exported the LoRA adapters to {target} (PeftModel.from_pretrained)")
+        shutil.rmtree(tmp)
+        shutil.rmtree(whole)
+        log(f"exported the LoRA adapters ({len(adapters)} tensors) to {target} (PeftModel.from_pretrained)")
