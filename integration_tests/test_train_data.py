@@ -230,11 +230,9 @@ def _train_in_cache(cache: str, cfg) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stdlib_cache(tmp_path_factory):
-    """A private cache holding the default corpus, prepared (tokenizer trained) once for this module."""
-    cache = tmp_path_factory.mktemp("stdlib-cache")
-    prepare_data.prepare("stdlib", cache=cache)
-    return cache
+def stdlib_cache(stdlib_corpus_cache):
+    """A cache holding the default corpus, prepared (tokenizer trained) once for the session (conftest's)."""
+    return stdlib_corpus_cache
 
 
 def test_default_run_trains_gpt_11m_on_the_standard_library(stdlib_cache, tmp_path, ranks):
