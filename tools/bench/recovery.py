@@ -147,10 +147,16 @@ def cold(args, root: str) -> dict:
     unknown = sorted(set(layouts) - set(ckpt_bench.LAYOUTS))
     if unknown:
         raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(ckpt_bench.LAYOUTS)}")
+    from vescale.checkpoint._crc import crc32
+
+    load_before = [round(x, 2) for x in os.getloadavg()]
     rows = spawn(_cold_rows, 4, root, layouts, count, shape, args.repeat)
-    dd = ckpt_bench._dd(root, args.size_mb, streams_list=(4,))
+    # the dd files hold as many bytes as the state (``_dd`` writes a quarter of its ``mb``): the rate is measured over
+    # the amount a cold load reads, not a quarter of it (a short read overstates a disk with a cache in front of it)
+    dd = ckpt_bench._dd(root, 4 * args.size_mb, streams_list=(4,))
     rate = dd.get("dd_read_buffered_4x_GBps")
     out = {"state_MB": round(count * shape[0] * shape[1] * 4 / 2**20, 1), "repeat": args.repeat,
+           "crc32": crc32.__module__, "load_average_before": load_before,
            "eviction": "posix_fadvise(POSIX_FADV_DONTNEED) on every checkpoint file before each load",
            "disk_read_buffered_4x_GBps": rate, "disk_read_direct_4x_GBps": dd.get("dd_read_4x_GBps"), "rows": {}}
     for layout in layouts:
