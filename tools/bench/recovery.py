@@ -15,10 +15,13 @@ model: interpreter and torch imports, rendezvous, process group, build), ``load_
 matrices): per row, vescale and DCP each save once, then ``--repeat`` cold loads of each, alternating, every one
 after evicting both checkpoints' files from the page cache (``posix_fadvise(DONTNEED)`` on every file: clean pages
 are dropped without privileges; dropping the whole page cache needs root). The floor: the stored bytes at the disk's
-buffered read rate measured in the same run (4 dd streams through the page cache after the same eviction, the best
-of 512 KiB / 1 MiB / 4 MiB blocks; its ``O_DIRECT`` rate is reported beside it). ``cold_fraction_of_read_rate``:
-that floor over vescale's cold load (1.0: the load reads at the disk's rate); ``ratio_cold_vs_dcp``: DCP's cold
-load time over vescale's (above 1: vescale is faster). Medians; the slowest rank between barriers. Prints one JSON.
+buffered read rate measured in the same run (4 dd streams through the page cache after the same eviction, reading as
+many bytes as the state together, the best of 512 KiB / 1 MiB / 4 MiB blocks; its ``O_DIRECT`` rate is reported
+beside it). Every stored byte comes from the disk once whatever the row (ranks needing the same bytes share the page
+cache), so the floor is the stored bytes over the 4 streams' aggregate rate. ``cold_fraction_of_read_rate``: that
+floor over vescale's cold load (1.0: the load reads at the disk's rate); ``ratio_cold_vs_dcp``: DCP's cold load time
+over vescale's (above 1: vescale is faster). Medians; the slowest rank between barriers. ``crc32``: the module of
+the checksum in use (``isal.isal_zlib`` with ``vescale-checkpoint[fast]``, else ``zlib``). Prints one JSON.
 """
 
 from __future__ import annotations
