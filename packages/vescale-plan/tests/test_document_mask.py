@@ -12,43 +12,19 @@ the mask the logits differ from the reference by O(0.1) (checked: the test can f
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from vescale.core.testing import multi_rank
 
-BATCH, SEQ, VOCAB, EOS = 8, 16, 64, 63
+sys.path.insert(0, str(Path(__file__).parent))  # (importlib mode: the shared fixtures by this folder's path)
+from _doc_fixtures import BATCH, MODELS, SEQ, VOCAB, assert_matches, gpt, llama, logits, one_device  # noqa: E402
+
+EOS = VOCAB - 1
 # Each row's document lengths (sum SEQ); the last token of every document but a row's last is EOS.
 LENGTHS = [[3, 7, 6], [16], [1, 9, 6], [5, 5, 2, 4], [2, 14], [8, 8], [4, 4, 4, 4], [11, 5]]
-
-
-def _gpt():
-    import torch
-
-    from vescale.core.testing.models import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=SEQ))
-
-
-def _llama():
-    import torch
-    import transformers as T
-
-    torch.manual_seed(0)
-    return T.LlamaForCausalLM(T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            max_position_embeddings=64, attn_implementation="sdpa"))
-
-
-def _mixtral():
-    import torch
-    import transformers as T
-
-    torch.manual_seed(0)
-    return T.MixtralForCausalLM(T.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                max_position_embeddings=64, num_local_experts=4,
-                                                num_experts_per_tok=2, attn_implementation="eager"))
 
 
 def packed_batch():
@@ -77,36 +53,26 @@ def reference_logits(model, inputs):
     for r, lengths in enumerate(LENGTHS[:len(inputs)]):
         parts, start = [], 0
         for n in lengths:
-            parts.append(_logits(model, inputs[r:r + 1, start:start + n]))
+            parts.append(logits(model, inputs[r:r + 1, start:start + n]))
             start += n
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows)
 
 
-def _run(model_fn, mesh: dict, *, check_logits: bool = True, batch: int = BATCH, **spec_kw) -> None:
+def _run(model: str, mesh: dict, *, check_logits: bool = True, batch: int = BATCH, **spec_kw) -> None:
     import torch
-    import torch.nn.functional as F
 
     from vescale.plan import ParallelSpec, build, document_inputs, documents_from_eos
 
     inputs, targets = (t[:batch] for t in packed_batch())
     documents = documents_from_eos(inputs, EOS)
     assert [int(d.max()) + 1 for d in documents] == [len(n) for n in LENGTHS[:batch]]
-    ref = model_fn()
-    ref_logits = reference_logits(ref, inputs)
-    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
-    ref_loss.backward()
-    named = dict(ref.named_parameters())
+    ref, ref_logits, ref_loss = one_device(MODELS[model], lambda m: reference_logits(m, inputs), targets)
     spec = ParallelSpec(mesh=mesh, document_mask=True, **spec_kw)
-    par = build(model_fn(), spec, batch_size=batch, seq_len=SEQ)
-    what = f"{mesh} {spec_kw}"
+    par = build(MODELS[model](), spec, batch_size=batch, seq_len=SEQ)
+    what = f"{model} {mesh} {spec_kw}"
     x, y, docs = par.shard_batch(inputs), par.shard_batch(targets), par.shard_batch(documents)
-    loss = par.forward_backward(x, y, documents=docs)
-    torch.testing.assert_close(par.global_loss(loss), ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=what)
-    grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in par.grads().items()}
-    assert grads, what
-    for n, g in grads.items():
-        torch.testing.assert_close(g, named[n].grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{what} {n}: {m}")
+    assert_matches(par, par.forward_backward(x, y, documents=docs), ref, ref_loss, what)
     if check_logits and par.engine is None:
         with torch.no_grad():
             kw = document_inputs(docs, transformers_style=hasattr(par.model, "config"),
@@ -145,45 +111,59 @@ def test_one_device_gpt_and_llama_and_the_mask_matters():
 
     inputs, _ = packed_batch()
     docs = documents_from_eos(inputs, EOS)
-    for model_fn in (_gpt, _llama):
+    for model_fn in (gpt, llama):
         model = model_fn()
         ref = reference_logits(model, inputs)
         hf = hasattr(model, "config")
         kw = document_inputs(docs, transformers_style=hf)
         masked = model(input_ids=inputs, use_cache=False, **kw).logits if hf else model(inputs, **kw)
         torch.testing.assert_close(masked, ref, rtol=1e-5, atol=1e-5)
-        assert (_logits(model, inputs) - ref).abs().max() > 1e-2
+        assert (logits(model, inputs) - ref).abs().max() > 1e-2
 
 
 @multi_rank(world_sizes=[2])
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 @pytest.mark.parametrize("mesh", [{"tp": 2}, {"cp": 2}])
 def test_document_mask_tp2_cp2(world_size, mesh, model):
-    kw = {"tp_plan": "gpt" if model == "gpt" else "llama"} if "tp" in mesh else {}
-    _run(_gpt if model == "gpt" else _llama, mesh, **kw)
+    _run(model, mesh, **({"tp_plan": model} if "tp" in mesh else {}))
 
 
 @multi_rank(world_sizes=[2])
 def test_document_mask_cp2_activation_checkpointing(world_size):
-    _run(_gpt, {"cp": 2}, activation_checkpointing="full")
+    _run("gpt", {"cp": 2}, activation_checkpointing="full")
 
 
 @multi_rank(world_sizes=[4])
 def test_document_mask_dp2_tp2_sequence_parallel_grad_accum(world_size):
-    _run(_gpt, {"dp": 2, "tp": 2}, tp_plan="gpt", sequence_parallel=True, grad_accum=2)
+    _run("gpt", {"dp": 2, "tp": 2}, tp_plan="gpt", sequence_parallel=True, grad_accum=2)
 
 
 @multi_rank(world_sizes=[2])
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_document_mask_pp2(world_size, model):
-    _run(_gpt if model == "gpt" else _llama, {"pp": 2}, microbatches=2)
+    _run(model, {"pp": 2}, microbatches=2)
 
 
 @multi_rank(world_sizes=[4])
 def test_document_mask_dp2_ep2_mixtral(world_size):
     # one row a rank: batch rank 1 holds a single document, its peers packed rows (transformers would take another
     # mask path there, with other DTensor collectives, but for the explicit block-diagonal mask: a hang)
-    _run(_mixtral, {"dp": 2, "ep": 2}, batch=4)
+    _run("mixtral", {"dp": 2, "ep": 2}, batch=4)
+
+
+@multi_rank(world_sizes=[4])
+def test_document_mask_pp2_cp2(world_size):
+    _run("gpt", {"pp": 2, "cp": 2}, microbatches=2)
+
+
+@multi_rank(world_sizes=[4])
+def test_document_mask_pp2_ep2_mixtral(world_size):
+    _run("mixtral", {"pp": 2, "dp": 1, "ep": 2}, microbatches=2)
+
+
+@multi_rank(world_sizes=[2])
+def test_document_mask_tp2_compile(world_size):
+    _run("gpt", {"tp": 2}, tp_plan="gpt", compile=True)
 
 
 def test_documents_without_the_spec_field_are_refused():
@@ -192,7 +172,7 @@ def test_documents_without_the_spec_field_are_refused():
     from vescale.plan import ParallelSpec, SpecError, build
 
     inputs, targets = packed_batch()
-    par = build(_gpt(), ParallelSpec(), batch_size=BATCH, seq_len=SEQ)
+    par = build(gpt(), ParallelSpec(), batch_size=BATCH, seq_len=SEQ)
     with pytest.raises(SpecError, match="document_mask"):
         par.forward_backward(inputs, targets, documents=torch.zeros_like(inputs))
     with pytest.raises(SpecError, match="Linear.forward takes neither"):  # no way to hand it the documents

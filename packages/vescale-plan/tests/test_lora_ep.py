@@ -1,8 +1,10 @@
-"""A PEFT (LoRA) Mixtral through ``vescale.plan.build`` on dp1 x ep2 and dp2 x ep2, against one device's PEFT model.
+"""A PEFT (LoRA, attention projections) Mixtral through ``vescale.plan.build`` on ep2, dp2 x ep2 and ep2 x tp2, against
+one device's PEFT model (plain peft + torch on the global batch).
 
 Each case: the loss, every adapter's gradient after one step and the adapters after two AdamW steps equal one
-device's (rtol 1e-5: sums in another order); the frozen base weights (experts included) get no gradient, no
-optimizer state and no gradient buckets. Each data rank (dp x ep) runs its own rows. Tiny model, pooled ranks.
+device's (rtol 1e-5: sums in another order); the frozen base weights (the experts, ``Shard(0)`` over ep, included)
+get no gradient, no optimizer state and no gradient buckets. Each data rank (dp x ep) runs its own rows. Adapters on
+the experts' stacked parameters (peft ``target_parameters``) are refused on ep by name. Tiny model, pooled ranks.
 """
 
 from __future__ import annotations
@@ -43,17 +45,17 @@ def _loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _run(mesh: dict, zero: int = 0, experts: bool = False) -> None:
+def _run(mesh: dict, zero: int = 0, experts: bool = False, tp_plan: str = "auto") -> None:
     import torch
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     from vescale.core.testing import reference
     from vescale.plan import ParallelSpec, build
 
-    what = f"{mesh} zero{zero} experts={experts}"
+    what = f"{mesh} zero{zero} experts={experts} {tp_plan}"
     ref = _peft_mixtral(experts)
-    par = build(_peft_mixtral(experts), ParallelSpec(mesh=mesh, zero=zero), loss_fn=_loss, batch_size=BATCH,
-                seq_len=SEQ)
+    par = build(_peft_mixtral(experts), ParallelSpec(mesh=mesh, zero=zero, tp_plan=tp_plan), loss_fn=_loss,
+                batch_size=BATCH, seq_len=SEQ)
     opt = par.make_optimizer(torch.optim.AdamW, **ADAMW)
     named = dict(ref.named_parameters())
     trained = {n for n, p in named.items() if p.requires_grad}
@@ -67,8 +69,17 @@ def _run(mesh: dict, zero: int = 0, experts: bool = False) -> None:
     assert set(held) == set(named), what
     assert {n for n, p in held.items() if p.requires_grad} == trained, what
     assert len(par.parameters()) == len(trained), what
-    if par.ddp is not None:
+    if par.ddp is not None:  # gradient buckets: the adapters only (no frozen weight is reduced)
         assert {slot.fqn for slot in par.ddp.slots.values()} == trained, what
+    for name, p in held.items():
+        dims = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        if "experts" in name:  # the frozen experts: this ep rank's rows
+            assert p.placements[dims.index("ep")] == Shard(0), (what, name, p.placements)
+        elif "tp" in mesh and ".lora_" in name:  # the adapters' layout, derived from their base layer's
+            tp = p.placements[dims.index("tp")]
+            column = any(f".{c}." in name for c in ("q_proj", "k_proj", "v_proj"))
+            want = "lora_B" if column else "lora_A"
+            assert (tp.is_shard() and tp.dim == (0 if column else 1)) == (f".{want}." in name), (what, name, tp)
     for step in range(2):
         inputs, targets = reference.progression_batch(4000 + step, BATCH, SEQ, VOCAB)
         opt.zero_grad()
@@ -95,9 +106,15 @@ def _run(mesh: dict, zero: int = 0, experts: bool = False) -> None:
 
 @multi_rank(world_sizes=[2])
 def test_lora_mixtral_ep2():
+    from vescale.plan import SpecError
+
     _run({"ep": 2})
+    with pytest.raises(SpecError, match=r"experts' stacked parameters \('base_model\.model\.model\.layers\.0\.mlp"
+                                        r"\.experts'.*refused on ep=2"):
+        _run({"ep": 2}, experts=True)
 
 
 @multi_rank(world_sizes=[4])
-def test_lora_mixtral_dp2_ep2():
+def test_lora_mixtral_dp2_ep2_and_ep2_tp2():
     _run({"dp": 2, "ep": 2})
+    _run({"ep": 2, "tp": 2}, tp_plan="mixtral")

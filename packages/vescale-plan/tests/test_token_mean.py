@@ -11,31 +11,15 @@ normalisation) misses by a factor between 0.3 and 3 on these batches.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from vescale.core.testing import multi_rank
 
-BATCH, SEQ, VOCAB = 8, 16, 64
-
-
-def _gpt():
-    import torch
-
-    from vescale.core.testing.models import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=SEQ))
-
-
-def _mixtral():
-    import torch
-    import transformers as T
-
-    torch.manual_seed(0)
-    return T.MixtralForCausalLM(T.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                max_position_embeddings=64, num_local_experts=4,
-                                                num_experts_per_tok=2, attn_implementation="eager"))
+sys.path.insert(0, str(Path(__file__).parent))  # (importlib mode: the shared fixtures by this folder's path)
+from _doc_fixtures import BATCH, MODELS, SEQ, VOCAB, assert_matches, logits, one_device  # noqa: E402
 
 
 def uneven_targets(targets):
@@ -50,55 +34,42 @@ def uneven_targets(targets):
     return y
 
 
-def _run(model_fn, mesh: dict, **spec_kw) -> None:
-    import torch
-    import torch.nn.functional as F
-
+def _run(model: str, mesh: dict, **spec_kw) -> None:
     from vescale.core.testing.reference import progression_batch
     from vescale.plan import ParallelSpec, build
 
     inputs, targets = progression_batch(11, BATCH, SEQ, VOCAB)
     targets = uneven_targets(targets)
-    ref = model_fn()
-    out = ref(input_ids=inputs, use_cache=False).logits if hasattr(ref, "config") else ref(inputs)
-    ref_loss = F.cross_entropy(out.flatten(0, 1), targets.flatten(), ignore_index=-100)
-    ref_loss.backward()
-    named = dict(ref.named_parameters())
-    par = build(model_fn(), ParallelSpec(mesh=mesh, **spec_kw), batch_size=BATCH, seq_len=SEQ)
-    what = f"{mesh} {spec_kw}"
+    ref, _, ref_loss = one_device(MODELS[model], lambda m: logits(m, inputs), targets)
+    par = build(MODELS[model](), ParallelSpec(mesh=mesh, **spec_kw), batch_size=BATCH, seq_len=SEQ)
     for num_tokens in (None, int((targets != -100).sum())):  # counted by an all-reduce, or given by the caller
         for p in par.parameters():
             p.grad = None
         if par.ddp is not None:
             par.ddp.zero_grad()
         loss = par.forward_backward(par.shard_batch(inputs), par.shard_batch(targets), num_tokens=num_tokens)
-        torch.testing.assert_close(par.global_loss(loss), ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=what)
-        grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in par.grads().items()}
-        assert grads, what
-        for n, g in grads.items():
-            torch.testing.assert_close(g, named[n].grad, rtol=1e-5, atol=1e-6,
-                                       msg=f"{what} num_tokens={num_tokens} {n}")
+        assert_matches(par, loss, ref, ref_loss, f"{mesh} {spec_kw} num_tokens={num_tokens}")
 
 
 @multi_rank(world_sizes=[2])
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"cp": 2}])
 def test_token_mean_dp2_cp2(world_size, mesh):
-    _run(_gpt, mesh)
+    _run("gpt", mesh)
 
 
 @multi_rank(world_sizes=[4])
 def test_token_mean_dp2_tp2_grad_accum2(world_size):
-    _run(_gpt, {"dp": 2, "tp": 2}, tp_plan="gpt", grad_accum=2)
+    _run("gpt", {"dp": 2, "tp": 2}, tp_plan="gpt", grad_accum=2)
 
 
 @multi_rank(world_sizes=[4])
 def test_token_mean_pp2_dp2_microbatches(world_size):
-    _run(_gpt, {"pp": 2, "dp": 2}, microbatches=2)
+    _run("gpt", {"pp": 2, "dp": 2}, microbatches=2)
 
 
 @multi_rank(world_sizes=[4])
 def test_token_mean_dp2_ep2(world_size):
-    _run(_mixtral, {"dp": 2, "ep": 2})
+    _run("mixtral", {"dp": 2, "ep": 2})
 
 
 def test_num_tokens_past_the_batch_is_refused():

@@ -393,7 +393,7 @@ def _hook_forward(model: nn.Module, size: int, rank: int):
     inner = model.forward
     unbound = inner.__func__ if isinstance(inner, types.MethodType) and inner.__self__ is model else None
 
-    @functools.wraps(inner)
+    @functools.wraps(unbound or inner)  # (unbound: its signature keeps self, which a method binding drops)
     def forward(self, tokens: torch.Tensor, *args, positions: torch.Tensor | None = None, **kwargs):
         seq_len = tokens.shape[1]
         index = local_positions(seq_len, size, rank).to(tokens.device)  # refuses a length not in 2 x cp chunks
@@ -416,7 +416,7 @@ def _hf_forward(model: nn.Module, size: int, rank: int):
     inner = model.forward
     unbound = inner.__func__ if isinstance(inner, types.MethodType) and inner.__self__ is model else None
 
-    @functools.wraps(inner)
+    @functools.wraps(unbound or inner)  # (unbound: its signature keeps self, which a method binding drops)
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
         if input_ids is None:
             raise ContextParallelError("context_parallel needs input_ids (inputs_embeds is not sharded)")

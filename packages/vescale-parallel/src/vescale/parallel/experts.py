@@ -199,7 +199,8 @@ def expert_parallel_plan(model: nn.Module, mesh, plan: Mapping | None = None, *,
             placements = list(_first_match(base_params, fqn) or [Replicate()] * ndim)
             placements[i_ep] = Shard(0)
             params[re.escape(fqn)] = placements
-    params.update(base_params)
+    for pattern, value in base_params.items():  # an exact entry of an expert (lora_plan's) is the one above, ep added
+        params.setdefault(pattern, value)
 
     sections: dict[str, dict] = {}
     for section in ("input", "output", "local"):

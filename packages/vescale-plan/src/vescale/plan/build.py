@@ -439,11 +439,16 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
         mesh = init_mesh(dims)
     roles = MeshRoles.of(mesh)
     pp, ep, cp = roles.pp.size, roles.ep.size, roles.cp.size
-    from vescale.plan.lora import is_lora_model
+    from vescale.plan.lora import is_lora_model, stacked_lora_layers
 
     if is_lora_model(model) and cp > 1:
         raise SpecError(f"a LoRA (peft) model on cp={cp} is refused: context parallelism is not implemented for "
                         "peft's LoRA layers (a LoRA model runs on dp, tp, pp, ep and ZeRO 0-3); use cp=1")
+    stacked = stacked_lora_layers(model) if ep > 1 else []
+    if stacked:  # peft's ParamWrapper hides the experts from find_experts, and adapters [r * E, ...] have no ep rows
+        raise SpecError(f"a LoRA (peft) model with adapters on the experts' stacked parameters ({stacked[0]!r}, "
+                        f"peft target_parameters) is refused on ep={ep}: target the attention / dense projections "
+                        f"only (target_modules), or use ep=1")
     if ep > 1 and "dp" not in roles.mesh.mesh_dim_names and (pp > 1 or spec.zero or spec.dtype != "fp32"):
         raise SpecError(f"mesh {roles.mesh.mesh_dim_names}: ep with pp, ZeRO or bf16 reduces through DDP over dp x "
                         "ep; give the mesh a dp dim (dp=1 will do)")

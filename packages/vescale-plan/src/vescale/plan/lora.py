@@ -37,7 +37,8 @@ from vescale.plan.decisions import AutoPlan, Decision
 from vescale.plan.spec import SpecError
 
 __all__ = ["AdapterState", "is_lora_model", "has_adapters", "lora_layers", "lora_plan", "adapter_placements",
-           "adapter_state", "base_fqn", "base_view", "inner_prefix", "forward_parameters"]
+           "adapter_state", "base_fqn", "base_view", "inner_prefix", "forward_parameters",
+           "stacked_lora_layers"]
 
 _ADAPTERS = ("lora_A", "lora_B")
 # LoRA variants whose extra tensors have no placement rule here (DoRA's magnitudes, embedding adapters, ...)
@@ -67,6 +68,12 @@ def inner_prefix(model: nn.Module) -> str:
         if m is inner:
             return f"{fqn}."
     return ""
+
+
+def stacked_lora_layers(model: nn.Module) -> list[str]:
+    """FQNs of the LoRA layers that adapt stacked (>= 3-D) parameters, e.g. an MoE's experts through peft's
+    ``target_parameters`` (a ``ParamWrapper``: ``lora_A`` ``[r * E, in]``, ``lora_B`` ``[out, r * E]``)."""
+    return [fqn for fqn, m in lora_layers(model).items() if any(p.dim() >= 3 for p in m.base_layer.parameters())]
 
 
 def forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
