@@ -42,6 +42,18 @@ def _save(kind: str, path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """The tiny Llama's ``save_pretrained`` directory, written once for the module (the tests only read it)."""
+    return _save("llama", tmp_path_factory.mktemp("llama") / "llama")
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> Path:
+    """The tiny GPT-2's ``save_pretrained`` directory, written once for the module (the tests only read it)."""
+    return _save("gpt2", tmp_path_factory.mktemp("gpt2") / "gpt2")
+
+
 def _reference(path: Path, prompts: list[str], **kw) -> list[list[int]]:
     """One device: ``from_pretrained`` and ``generate`` on the same left-padded batch, new tokens only."""
     import torch
@@ -55,8 +67,8 @@ def _reference(path: Path, prompts: list[str], **kw) -> list[list[int]]:
     return out[:, ids.shape[1]:].tolist()
 
 
-def test_cli_end_to_end_matches_from_pretrained(tmp_path):
-    path = _save("llama", tmp_path / "llama")
+def test_cli_end_to_end_matches_from_pretrained(llama_dir):
+    path = llama_dir
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--model", str(path), "--mesh",
                           "tp=2", "--max-new-tokens", "8", *[a for p in PROMPTS for a in ("--token-ids", p)]],
                          capture_output=True, text=True, timeout=300)
@@ -76,8 +88,8 @@ def test_cli_end_to_end_matches_from_pretrained(tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_load_samples_like_from_pretrained(tmp_path, world_size):
-    path = _save("gpt2", tmp_path / "gpt2")
+def test_sharded_load_samples_like_from_pretrained(gpt2_dir, world_size):
+    path = gpt2_dir
     mesh = "tp=2" if world_size == 2 else "dp=2,tp=2"
     prompts = PROMPTS * (world_size // 2)
     args = ["--model", str(path), "--mesh", mesh, "--max-new-tokens", "6", "--do-sample", "--seed", "5",
@@ -109,8 +121,8 @@ def test_sharded_load_samples_like_from_pretrained(tmp_path, world_size):
     (["--prompt", "hello"], "has no tokenizer"),
     (["--token-ids", "1,x"], "not comma-separated integers"),
 ])
-def test_bad_input_refused_before_ranks_start(tmp_path, bad, message):
-    path = _save("llama", tmp_path / "llama")
+def test_bad_input_refused_before_ranks_start(llama_dir, bad, message):
+    path = llama_dir
     args = ["--model", str(path), "--token-ids", "1,2,3"]
     if bad[0] == "--model":
         args = bad + ["--token-ids", "1,2,3"]
