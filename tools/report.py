@@ -1,5 +1,6 @@
 """What ``tools/train.py`` reports: metrics a line a step, a progress bar, the loss curve, an nD timeline of a few
-steps, and the per-rank figures of ``summary.json`` (gathered from every rank on its own device)."""
+steps, and ``summary.json`` with its per-rank figures (:func:`run_summary`: gathered from every rank on its own
+device)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RunLog", "TensorBoardLog", "TimelineWindow", "dump_grads", "gather_per_rank", "state_bytes",
-           "peak_memory_mb", "planner_memory_mb"]
+           "peak_memory_mb", "planner_memory_mb", "run_summary", "rank_table"]
 
 
 def gather_per_rank(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -240,3 +241,64 @@ def plot_loss(metrics: list[dict], path: Path, floor: float | None) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def run_summary(cfg, trainer, corpus, run_log: RunLog, res, *, wall: float, comms: dict | None, startup: dict,
+                device: torch.device, log=print) -> dict:
+    """The end of a run of ``tools/train.py``: every rank's figures (peak memory, init time and bytes, step times and
+    collective waits, the exact state bytes) gathered, and on rank 0 ``summary.json`` written (``run_log.finish``)
+    and returned; ``{}`` on the other ranks. Collective (two all-gathers over all ranks). ``trainer``: train.py's
+    ``Trainer``; ``res``: its ``Resilience``; ``wall``: the loop's seconds; ``comms``: one step's collectives."""
+    import models
+    import rank_times
+
+    from vescale.plan.dry_run import rank_bytes
+
+    par, optimizer = trainer.par, trainer.optimizer
+    per_rank = gather_per_rank([peak_memory_mb(), trainer.init_s, trainer.init_bytes,
+                                *rank_times.rank_row(res.step_s, res.wait_s)], device)
+    held = gather_per_rank([float(sum(rank_bytes(par, optimizer).values()))], device)  # exact, beside the estimate
+    if dist.get_rank() != 0:
+        return {}
+    ranks, slow = rank_table(per_rank[:, 3:], cfg.slow_rank, Path(cfg.out), log)
+    losses = [r["loss"] for r in run_log.records]
+    tokens_per_s = cfg.batch_size * cfg.seq_len * max(1, len(run_log.records)) / wall  # (fewer when preempted)
+    tflops = trainer.flops_per_token * tokens_per_s / 1e12
+    return run_log.finish({
+        "mesh": cfg.dims, "model": cfg.model, "parameters": trainer.num_params, "steps": cfg.steps,
+        "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+        "data": cfg.data, "data_fingerprint": corpus.fingerprint,
+        "final_eval_loss": next((r["eval_loss"] for r in reversed(run_log.records) if "eval_loss" in r), None),
+        "corpus_entropy": corpus.entropy(), "tokens_per_s": tokens_per_s, "wall_s": wall,
+        "peak_memory_mb_per_rank": [round(float(p), 1) for p in per_rank[:, 0]], "init": cfg.init,
+        "init_s_per_rank": [round(float(t), 3) for t in per_rank[:, 1]],
+        "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in per_rank[:, 2]],
+        "state_mb_per_rank": [round(float(b) / 2**20, 2) for b in held[:, 0]],  # parameters + gradients + optimizer
+        "planner_memory_mb": planner_memory_mb(par.spec, lambda: models.create(cfg.model),
+                                               cfg.batch_size // cfg.grad_accum, cfg.seq_len),
+        "collectives_one_step": comms,
+        "grad_accum": cfg.grad_accum, "spec": json.loads(par.spec.to_json()) if isinstance(par.spec.tp_plan, str)
+        else None, "model_flops_per_token": trainer.flops_per_token, "model_tflops": tflops,
+        "mfu": tflops / (dist.get_world_size() * cfg.peak_tflops) if cfg.peak_tflops else None,
+        "export_hf": cfg.export_hf, "skipped_steps": res.guard.skipped, "preempted": res.preempt.stopping,
+        "save_errors": res.save_errors, "ranks": ranks, "slow_ranks": slow, "startup": startup,
+    }, corpus.entropy())
+
+
+def rank_table(rows: torch.Tensor, slow_rank: float, out: Path, log=print) -> tuple[list[dict], list[int]]:
+    """Rank 0: every rank's step times and collective waits (``rank_times``) as summary.json and timeline.json
+    (``otherData.ranks``) report them, and the ranks ``--slow-rank`` (``slow_rank``) names (warned about here)."""
+    import rank_times
+
+    table = rank_times.per_rank_table(rows)
+    slow = rank_times.slow_ranks(table, slow_rank)
+    if slow:
+        busy = {r["rank"]: round(r["busy_s"]["p50"] * 1e3, 1) for r in table}
+        log(f"WARNING: slow rank(s) {slow}: median busy step time (less collective waits) at least "
+            f"{slow_rank}x the median rank's; busy ms per rank {busy}")
+    trace = out / "timeline.json"
+    if trace.is_file():
+        data = json.loads(trace.read_text())
+        data.setdefault("otherData", {})["ranks"] = table
+        trace.write_text(json.dumps(data))
+    return table, slow

@@ -49,11 +49,10 @@ if TOOLS not in sys.path:  # config, models, data and report live next to this f
     sys.path.insert(0, TOOLS)
 import lora  # noqa: E402
 import models  # noqa: E402
-import rank_times  # noqa: E402
 from config import TrainConfig, check_fits, lr_at, parallel_spec, parse_args, prepare_out  # noqa: E402
 from data import DataError, open_data, resume_offset, step_rows  # noqa: E402
 from evaluate import TextMonitor  # noqa: E402
-from report import RunLog, TimelineWindow, dump_grads, gather_per_rank, peak_memory_mb, state_bytes  # noqa: E402
+from report import RunLog, TimelineWindow, dump_grads, run_summary, state_bytes  # noqa: E402
 from resilience import Resilience, auto_resume  # noqa: E402
 
 
@@ -226,55 +225,8 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         monitor.sample(cfg.steps - 1)
     if cfg.export_hf:
         lora.export(cfg, par.held, out, log=lambda m: log(cfg, m))
-    per_rank = gather_per_rank([peak_memory_mb(), trainer.init_s, trainer.init_bytes,
-                                *rank_times.rank_row(res.step_s, res.wait_s)], device)
-    from report import planner_memory_mb
-
-    from vescale.plan.dry_run import rank_bytes
-
-    held = gather_per_rank([float(sum(rank_bytes(par, optimizer).values()))], device)  # exact, beside the estimate
-    if rank != 0:
-        return {}
-    ranks, slow = rank_table(per_rank[:, 3:], cfg, out)
-    losses = [r["loss"] for r in run_log.records]
-    tokens_per_s = tokens_per_step * max(1, len(run_log.records)) / wall  # (fewer than asked when preempted)
-    tflops = trainer.flops_per_token * tokens_per_s / 1e12
-    return run_log.finish({
-        "mesh": cfg.dims, "model": cfg.model, "parameters": trainer.num_params, "steps": cfg.steps,
-        "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-        "data": cfg.data, "data_fingerprint": corpus.fingerprint,
-        "final_eval_loss": next((r["eval_loss"] for r in reversed(run_log.records) if "eval_loss" in r), None),
-        "corpus_entropy": corpus.entropy(), "tokens_per_s": tokens_per_s, "wall_s": wall,
-        "peak_memory_mb_per_rank": [round(float(p), 1) for p in per_rank[:, 0]], "init": cfg.init,
-        "init_s_per_rank": [round(float(t), 3) for t in per_rank[:, 1]],
-        "init_mb_per_rank": [round(float(b) / 2**20, 2) for b in per_rank[:, 2]],
-        "state_mb_per_rank": [round(float(b) / 2**20, 2) for b in held[:, 0]],  # parameters + gradients + optimizer
-        "planner_memory_mb": planner_memory_mb(par.spec, lambda: models.create(cfg.model),
-                                               cfg.batch_size // cfg.grad_accum, cfg.seq_len),
-        "collectives_one_step": comms,
-        "grad_accum": cfg.grad_accum, "spec": json.loads(par.spec.to_json()) if isinstance(par.spec.tp_plan, str)
-        else None, "model_flops_per_token": trainer.flops_per_token, "model_tflops": tflops,
-        "mfu": tflops / (dist.get_world_size() * cfg.peak_tflops) if cfg.peak_tflops else None,
-        "export_hf": cfg.export_hf, "skipped_steps": res.guard.skipped, "preempted": res.preempt.stopping,
-        "save_errors": res.save_errors, "ranks": ranks, "slow_ranks": slow, "startup": startup,
-    }, corpus.entropy())
-
-
-def rank_table(rows: torch.Tensor, cfg: TrainConfig, out: Path) -> tuple[list[dict], list[int]]:
-    """Rank 0: every rank's step times and collective waits (``rank_times``) as summary.json and timeline.json
-    (``otherData.ranks``) report them, and the ranks ``--slow-rank`` names (warned about here)."""
-    table = rank_times.per_rank_table(rows)
-    slow = rank_times.slow_ranks(table, cfg.slow_rank)
-    if slow:
-        busy = {r["rank"]: round(r["busy_s"]["p50"] * 1e3, 1) for r in table}
-        log(cfg, f"WARNING: slow rank(s) {slow}: median busy step time (less collective waits) at least "
-            f"{cfg.slow_rank}x the median rank's; busy ms per rank {busy}")
-    trace = out / "timeline.json"
-    if trace.is_file():
-        data = json.loads(trace.read_text())
-        data.setdefault("otherData", {})["ranks"] = table
-        trace.write_text(json.dumps(data))
-    return table, slow
+    return run_summary(cfg, trainer, corpus, run_log, res, wall=wall, comms=comms, startup=startup, device=device,
+                       log=lambda m: log(cfg, m))
 
 
 def main(argv: list[str] | None = None) -> dict:
