@@ -94,7 +94,8 @@ def test_lora_target_matching_nothing_refused(tmp_path):
                     "--lora", "r=4,targets=q_proj", "--out", str(tmp_path / "run")])
 
 
-def _lora_run(tmp_path: Path, model_dir: Path, mesh: str, world: int) -> tuple[dict, dict]:
+def _lora_run(tmp_path: Path, model_dir: Path, mesh: str, world: int,
+              targets: tuple = ("q_proj", "v_proj", "down_proj")) -> tuple[dict, dict]:
     """``train.train`` with ``--lora`` on ``mesh`` (``world`` ranks), exported: its summary and its PEFT adapters."""
     from safetensors.torch import load_file
 
@@ -102,7 +103,7 @@ def _lora_run(tmp_path: Path, model_dir: Path, mesh: str, world: int) -> tuple[d
     cfg = train.TrainConfig(mesh=mesh, model=str(model_dir), steps=2, batch_size=4, seq_len=16, lr=2e-2, warmup=1,
                             out=str(out / "run"), trace_steps=0, quiet=True, data="markov",
                             export_hf=str(out / "export"),
-                            lora={"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q_proj", "v_proj", "down_proj"]})
+                            lora={"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": list(targets)})
     cfg.dims = parse_mesh_spec(cfg.mesh)
     summary = run_on_ranks(train.train, world, cfg)[0]
     return summary, load_file(str(out / "export" / "adapter" / "adapter_model.safetensors"))
@@ -133,3 +134,23 @@ def test_lora_pipeline_equals_one_rank(tmp_path):
         want_logits = loaded(input_ids=tokens).logits
         assert not torch.allclose(want_logits, _base(model_dir)(tokens).logits)
         torch.testing.assert_close(merged(tokens).logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_mixtral_ep2_equals_one_rank(tmp_path):
+    """``--mesh ep=2 --lora`` on a Mixtral directory (experts saved one tensor per expert): each ep rank loads its
+    experts, and after two steps the exported adapters equal one rank's run (same data and seed)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                              num_local_experts=4, num_experts_per_tok=2)
+    model_dir = tmp_path / "tiny-mixtral"
+    tf.MixtralForCausalLM(config).save_pretrained(model_dir)
+    one, want = _lora_run(tmp_path, model_dir, "dp=1", 1, targets=("q_proj", "o_proj"))
+    two, got = _lora_run(tmp_path, model_dir, "ep=2", 2, targets=("q_proj", "o_proj"))
+    assert sorted(got) == sorted(want) and len(got) == 2 * 2 * 2, sorted(got)[:4]
+    assert any(n.endswith("lora_B.weight") and t.abs().max() > 0 for n, t in got.items())  # trained
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-6, msg=name)
+    assert two["first_loss"] == pytest.approx(one["first_loss"], rel=1e-5)

@@ -13,6 +13,7 @@ by rank 0). Plans, checkpoints (adapters only) and the adapters' layout on any m
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import models
@@ -66,9 +67,9 @@ def lora_problems(cfg) -> list[str]:
                    "> 0 and dropout in [0, 1)")
     if not lora["targets"]:
         out.append("--lora names no targets (targets=q_proj,k_proj,...)")
-    for dim in ("ep", "cp"):
+    for dim in ("cp",):
         if cfg.dims.get(dim, 1) > 1:
-            out.append(f"--lora with {dim}={cfg.dims[dim]} is not supported yet (--lora runs on dp, tp, pp and "
+            out.append(f"--lora with {dim}={cfg.dims[dim]} is not supported yet (--lora runs on dp, tp, pp, ep and "
                        "ZeRO 0-3)")
     if not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         out.append(f"--lora needs a transformers model (--model DIR or one of {sorted(models.HF_MODELS)}); "
@@ -140,7 +141,12 @@ def load_pretrained(src: str, modules: list[nn.Module], *, stages: bool = False,
     files = models.hf_weight_names(src)
     for module in modules:
         base = {base_fqn(n, prefix): t for n, t in module.state_dict().items() if ".lora_" not in n}
-        import_hf(src, base, strict=not stages)
+        # tensors the directory stores under other names (Mixtral's experts, one per expert): read by _load_stored,
+        # which takes anything with a state_dict (here the base tensors, views of the model's)
+        stored = models.stored_names(src, {k: list(t.shape) for k, t in base.items()}, files)
+        import_hf(src, {k: t for k, t in base.items() if k not in stored}, strict=not (stages or stored))
+        if stored:
+            models._load_stored(src, types.SimpleNamespace(state_dict=lambda base=base: base), stored, files)
         for name, t in base.items():
             source = base_fqn((tied or {}).get(prefix + name, ""), prefix)
             if stages and name not in files and source in files:
