@@ -4,7 +4,8 @@ one device's PEFT model (plain peft + torch on the global batch).
 Each case: the loss, every adapter's gradient after one step and the adapters after two AdamW steps equal one
 device's (rtol 1e-5: sums in another order); the frozen base weights (the experts, ``Shard(0)`` over ep, included)
 get no gradient, no optimizer state and no gradient buckets. Each data rank (dp x ep) runs its own rows. Adapters on
-the experts' stacked parameters (peft ``target_parameters``) are refused on ep by name. Tiny model, pooled ranks.
+the experts' stacked parameters (peft ``target_parameters``) are refused on ep by name, and LoRA on cp is refused.
+Tiny model, pooled ranks.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ def test_lora_mixtral_ep2():
     with pytest.raises(SpecError, match=r"experts' stacked parameters \('base_model\.model\.model\.layers\.0\.mlp"
                                         r"\.experts'.*refused on ep=2"):
         _run({"ep": 2}, experts=True)
+    from vescale.plan import ParallelSpec, build
+
+    with pytest.raises(SpecError, match=r"LoRA \(peft\) model on cp=2 is refused"):
+        build(_peft_mixtral(), ParallelSpec(mesh={"cp": 2}), loss_fn=_loss, batch_size=BATCH, seq_len=SEQ)
 
 
 @multi_rank(world_sizes=[4])

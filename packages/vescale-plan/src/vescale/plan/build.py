@@ -442,8 +442,8 @@ def build(model: nn.Module, spec: ParallelSpec, mesh=None, *, loss_fn=None, batc
     from vescale.plan.lora import is_lora_model, stacked_lora_layers
 
     if is_lora_model(model) and cp > 1:
-        raise SpecError(f"a LoRA (peft) model on cp={cp} is refused: context parallelism is not implemented for "
-                        "peft's LoRA layers (a LoRA model runs on dp, tp, pp, ep and ZeRO 0-3); use cp=1")
+        raise SpecError(f"a LoRA (peft) model on cp={cp} is refused: LoRA with context parallelism is not built "
+                        "(a LoRA model runs on dp, tp, pp, ep and ZeRO 0-3); use cp=1")
     stacked = stacked_lora_layers(model) if ep > 1 else []
     if stacked:  # peft's ParamWrapper hides the experts from find_experts, and adapters [r * E, ...] have no ep rows
         raise SpecError(f"a LoRA (peft) model with adapters on the experts' stacked parameters ({stacked[0]!r}, "
