@@ -1,22 +1,18 @@
-"""The cold local read: who checks which checksum chunks, and the kernel read-ahead of the check pass.
+"""The cold local read: who checks which checksum chunks.
 
 When several ranks need the same stored bytes, every chunk is checked by exactly one of them, in long runs of
-consecutive chunks (each rank reads its share of a file front to back, which the disk and the kernel's readahead
-serve at their sequential rate), with the ranks' shares within the plan's run bound of each other. The read-ahead
-asks the kernel for exactly the ranges the pass will read, in order, never more than its window ahead of what the
-pass has consumed. A load with the read-ahead running still fills the targets bitwise and still fails whole on a
-damaged byte.
+consecutive chunks (each rank reads its share of a file front to back), with the ranks' shares within the plan's run
+bound of each other; a rank needing only part of a shard checks only chunks it reads anyway. A local load whose
+shards span many chunks fills the targets bitwise and fails whole on one flipped bit.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 from vescale import checkpoint
-from vescale.checkpoint import CorruptCheckpointError, _load, _local_read
+from vescale.checkpoint import CorruptCheckpointError, _load
 from vescale.checkpoint._reader import chunk_spans, read_metadata
 from vescale.checkpoint._storage import Storage
 
@@ -71,47 +67,10 @@ def test_two_ranks_each_needing_half_check_their_own_chunks():
     assert by_rank == {0: list(range(32)), 1: list(range(32, 64))}  # nobody reads a byte only to check it
 
 
-def test_read_ahead_advises_the_ranges_in_order_within_its_window(tmp_path, monkeypatch):
-    for name in ("a", "b"):
-        (tmp_path / name).write_bytes(b"\0" * 4096)
-    storage = Storage(tmp_path)
-    monkeypatch.setattr(_local_read, "_AHEAD_BYTES", 2000)
-    monkeypatch.setattr(_local_read, "_AHEAD_PIECE", 1000)
-    advised: list[tuple[str, int, int]] = []
-    names: dict[int, str] = {}
-    opened = storage._open_read
-
-    def open_read(name):
-        fd = opened(name)
-        names[fd] = name
-        return fd
-
-    monkeypatch.setattr(storage, "_open_read", open_read)
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: advised.append((names[fd], off, n)))
-    ranges = [("a", 100, 2600), ("b", 0, 10), ("b", 2000, 3000), ("a", 4000, 4000)]
-    with _local_read.ReadAhead(storage, ranges) as ahead:
-        assert sum(n for *_, n in advised) == 2000  # the window, before anything is consumed
-        ahead.consumed(1500)
-        assert sum(n for *_, n in advised) == 3510  # up to the window past 1500 (a piece at a time): all of it
-        ahead.consumed(2000)
-    assert advised == [("a", 100, 1000), ("a", 1100, 1000), ("a", 2100, 500), ("b", 0, 10), ("b", 2000, 1000)]
-    assert set(names) and all(_closed(fd) for fd in names)
-
-
-def _closed(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return True
-    return False
-
-
-def test_a_load_with_read_ahead_fills_bitwise_and_fails_whole(tmp_path, monkeypatch):
+def test_a_local_load_in_runs_fills_bitwise_and_fails_whole(tmp_path, monkeypatch):
     from vescale.checkpoint import _data_file
 
     monkeypatch.setattr(_data_file, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(_local_read, "_AHEAD_BYTES", 8192)  # the window slides many times
-    monkeypatch.setattr(_local_read, "_AHEAD_PIECE", 4096)
     g = torch.Generator().manual_seed(0)
     ref = {"a": torch.randn(64, 100, generator=g), "b": torch.randn(3000, generator=g).bfloat16()}
     path = tmp_path / "ckpt"

@@ -44,11 +44,9 @@ from vescale.checkpoint._gc import collector_paused
 from vescale.checkpoint._layout import intersect, relative
 from vescale.checkpoint._local_read import (
     MappedShard,
-    ReadAhead,
     byte_span,
     check_chunks_read,
     map_parts,
-    merged_ranges,
     read_parts,
     release_buffer,
 )
@@ -207,8 +205,9 @@ def _plan(requests: list[dict], meta: dict, skip: set[str], dedup: bool) -> list
     load = [0] * len(requests)
     reads = []
     # a rank keeps checking consecutive chunks (into the next shard of the file) while it is at most ``slack`` bytes
-    # ahead of the least loaded rank needing them: each rank then reads long sequential runs from the disk (chunks
-    # dealt out one by one made every rank read 1 MiB in every 2 or 4, defeating the kernel's readahead)
+    # ahead of the least loaded rank needing them: each rank reads its share as long sequential runs, and each reads
+    # about as much from the disk (dealt one by one, the ranks took turns on every 1 MiB and whichever rank's
+    # readahead ran first read most of the bytes: 28-464 MiB of 1 GiB per rank, replicated, 4 ranks)
     shared = sum(shard_nbytes(g[0].shard) for g in groups if len(g) > 1 and g[0].shard["codec"] == "raw")
     slack = min(_RUN_BYTES, shared // len(requests))
     prev = -1
@@ -393,33 +392,20 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
             out.append((tuple(o - so for o, so in zip(inter[0], origin)), piece.view[relative(inter, piece.offsets)]))
         return out
 
-    def first_reads(rd: _Read) -> list[tuple[int, int]]:
-        """The byte ranges (relative to the shard) that the check pass reads first from the disk for ``rd``."""
-        if rd.shard["codec"] != "raw":
-            return [(0, shard_nbytes(rd.shard))]
-        if verify:
-            spans = chunk_spans(rd.shard)
-            return merged_ranges([spans[i] for i in rd.chunks])
-        size = tensor_dtype(saved[rd.key]).itemsize
-        return merged_ranges([byte_span(offs, tuple(t.shape), rd.shard["lengths"], size)
-                              for offs, t in parts(rd) if t.numel()])
-
     def check(rd: _Read) -> None:
         chunks = rd.chunks if verify else []
         dtype = tensor_dtype(saved[rd.key])
         try:
             if rd.shard["codec"] != "raw":
                 staged[id(rd)] = read_shard(storage, rd.shard, dtype, verify=chunks)
-                ahead.consumed(shard_nbytes(rd.shard))
                 return
             m = map_parts(storage, rd.shard, dtype, parts(rd), chunks)
             if m is None:
                 if chunks:
-                    check_chunks_read(storage, rd.shard, chunks, ahead)
+                    check_chunks_read(storage, rd.shard, chunks)
                 return
             mapped[id(rd)] = m
             m.check(chunks)
-            ahead.consumed(sum(hi - lo for lo, hi in first_reads(rd)))
         except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised
             where = storage.where(rd.shard["file"])
             raise _Failed(_error_text(exc, f"reading {where} failed") + f" (tensor {rd.key!r})") from exc
@@ -435,12 +421,9 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
             for offs, target in parts(rd):
                 target.copy_(data[tuple(slice(o, o + n) for o, n in zip(offs, target.shape))])
 
-    ahead = ReadAhead(storage, [(rd.shard["file"], rd.shard["start"] + lo, rd.shard["start"] + hi)
-                                for rd in mine for lo, hi in first_reads(rd)])
     try:
         try:
-            with ahead:
-                failures = _run_all(check, mine, pool)
+            failures = _run_all(check, mine, pool)
         finally:
             release_buffer()
         _agree(comm, str(failures[0]) if failures else None)

@@ -39,8 +39,7 @@ from vescale.checkpoint._reader import check_chunks, chunk_spans, shard_nbytes
 from vescale.checkpoint._storage import FileReader, Storage
 from vescale.checkpoint.errors import CorruptCheckpointError
 
-__all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read", "MappedShard", "map_parts", "ReadAhead",
-           "merged_ranges"]
+__all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read", "MappedShard", "map_parts"]
 
 _bounce = threading.local()
 # bytes read at a time to check chunks (whole chunks, at least one). 1 MiB (in the cache for the crc32) against
@@ -52,10 +51,6 @@ _CHECK_BYTES = 1 << 20
 # costs some Python) and into targets off the CPU (fewer, larger host-to-device copies)
 _PIECE_BYTES = 4 << 20
 _DEVICE_PIECE_BYTES = 64 << 20
-# bytes a rank asks the kernel to read ahead of its check pass (``ReadAhead``): enough to keep the disk's queue full
-# while the crc32 runs behind it, bounded so that pages are read shortly before they are used
-_AHEAD_BYTES = 64 << 20
-_AHEAD_PIECE = 8 << 20  # bytes per posix_fadvise(WILLNEED) call
 # per item size, an integer dtype of torch and of numpy: parts are copied as these (bitwise, any dtype, bfloat16 too)
 _INT_OF_SIZE = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
                 8: (torch.int64, np.int64)}
@@ -115,7 +110,7 @@ def _copy_parts(reader: FileReader, shard: dict[str, Any], dtype: torch.dtype,
         row_bytes *= n
     piece = _PIECE_BYTES if all(t.device.type == "cpu" for _, t in streamed) else _DEVICE_PIECE_BYTES
     step = max(1, piece // row_bytes)
-    for first, last in merged_ranges((offs[0], offs[0] + target.shape[0]) for offs, target in streamed):
+    for first, last in _merged((offs[0], offs[0] + target.shape[0]) for offs, target in streamed):
         for r0 in range(first, last, step):
             r1 = min(r0 + step, last)
             buf = _buffer((r1 - r0) * row_bytes)
@@ -129,7 +124,7 @@ def _copy_parts(reader: FileReader, shard: dict[str, Any], dtype: torch.dtype,
                     target[a - offs[0]:b - offs[0]].copy_(rows[box])
 
 
-def merged_ranges(ranges) -> list[tuple[int, int]]:
+def _merged(ranges) -> list[tuple[int, int]]:
     """The union of the ``[lo, hi)`` ``ranges`` as sorted disjoint ranges (touching ones joined)."""
     out: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
@@ -157,11 +152,9 @@ def _contiguous_span(offsets: tuple[int, ...], lengths: tuple[int, ...], shape: 
     return d < 0 or all(n == 1 for n in lengths[:d])
 
 
-def check_chunks_read(storage: Storage, shard: dict[str, Any], chunks: list[int], ahead: ReadAhead | None = None
-                      ) -> None:
+def check_chunks_read(storage: Storage, shard: dict[str, Any], chunks: list[int]) -> None:
     """Read the stored bytes of the shard's checksum ``chunks`` and check them, runs of consecutive chunks at a time
-    (at most ``_CHECK_BYTES`` per read, at least one chunk), into this thread's reused buffer; each read done is
-    reported to ``ahead`` (which then asks the kernel for the bytes further on).
+    (at most ``_CHECK_BYTES`` per read, at least one chunk), into this thread's reused buffer.
 
     Raises :class:`CorruptCheckpointError` naming the file when it is missing, short, or a chunk fails its checksum.
     """
@@ -174,71 +167,9 @@ def check_chunks_read(storage: Storage, shard: dict[str, Any], chunks: list[int]
                 view = memoryview(_buffer(hi - lo).numpy())
                 reader.read_into(shard["start"] + lo, view)
                 check_chunks(storage.where(shard["file"]), shard, _Shifted(view, lo), run)
-                if ahead is not None:
-                    ahead.consumed(hi - lo)
                 run = []
             if i is not None:
                 run.append(i)
-
-
-class ReadAhead:
-    """Asks the kernel to read, in the background, the byte ranges of local files that a rank's check pass will read
-    next (``posix_fadvise(WILLNEED)``), at most ``_AHEAD_BYTES`` beyond what the pass has consumed: the disk then
-    reads one range while the crc32 runs on the previous one, with a full queue, instead of each read waiting for
-    the disk and the disk idling during each checksum. Only a hint: a range that cannot be advised is read on
-    demand, and nothing here raises. Thread-safe; use as a context manager (closes the files it opened).
-
-    ``ranges``: ``(file name, first byte, end byte)`` in the order the pass reads them.
-    """
-
-    def __init__(self, storage: Storage, ranges: list[tuple[str, int, int]]) -> None:
-        self._storage, self._ranges = storage, [r for r in ranges if r[2] > r[1]]
-        self._lock = threading.Lock()
-        self._fds: dict[str, int | None] = {}
-        self._next, self._at = 0, self._ranges[0][1] if self._ranges else 0  # the next range, and where in it
-        self._issued = self._consumed = 0
-        self._advise()
-
-    def __enter__(self) -> ReadAhead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                if fd is not None:
-                    os.close(fd)
-            self._fds.clear()
-            self._next = len(self._ranges)
-
-    def consumed(self, nbytes: int) -> None:
-        """The pass has read ``nbytes`` more of the ranges: advise the next ones, up to ``_AHEAD_BYTES`` ahead."""
-        with self._lock:
-            self._consumed += nbytes
-            self._advise()
-
-    def _advise(self) -> None:
-        while self._next < len(self._ranges) and self._issued < self._consumed + _AHEAD_BYTES:
-            name, _, hi = self._ranges[self._next]
-            n = min(_AHEAD_PIECE, hi - self._at)
-            fd = self._fd(name)
-            if fd is not None:
-                try:
-                    os.posix_fadvise(fd, self._at, n, os.POSIX_FADV_WILLNEED)
-                except OSError:  # a hint only: the read itself reports what is wrong
-                    pass
-            self._issued += n
-            self._at += n
-            if self._at >= hi:
-                self._next += 1
-                self._at = self._ranges[self._next][1] if self._next < len(self._ranges) else 0
-
-    def _fd(self, name: str) -> int | None:
-        if name not in self._fds:
-            try:
-                self._fds[name] = self._storage._open_read(name) if hasattr(os, "posix_fadvise") else None
-            except Exception:  # noqa: BLE001 - missing, not a regular file...: the read reports it, naming the file
-                self._fds[name] = None
-        return self._fds[name]
 
 
 class _Shifted:
