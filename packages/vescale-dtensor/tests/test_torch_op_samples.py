@@ -118,6 +118,8 @@ NO_OPINFO: dict[str, str] = {
     "aten.random_.to": "no OpInfo; tests/test_random.py",
     "aten.random_.from": "no OpInfo; tests/test_random.py",
     "aten.native_dropout.default": "F.dropout on the CPU takes bernoulli_; tests/test_random.py",
+    "aten.scatter_add.default": "Partial operands only; tests/test_scatter_add_partial.py",
+    "aten.scatter_add_.default": "Partial operands only; tests/test_scatter_add_partial.py",
     "aten.exponential_.default": _RANDOM_FILL,
     "aten.geometric_.default": _RANDOM_FILL,
     "aten.log_normal_.default": _RANDOM_FILL,

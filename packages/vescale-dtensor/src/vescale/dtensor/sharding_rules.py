@@ -326,6 +326,32 @@ def _torch_path(op_call, handler: Callable) -> Iterator[None]:
         handlers[op_call] = handler
 
 
+def _scatter_add_of_partial(op_call, args: tuple, kwargs: dict):
+    """``scatter_add``/``scatter_add_`` with a ``Partial`` self or src: torch's rule gives a wrong sum (the partial
+    summands are scattered as if whole; PhiMoE's router backward met it). The partial operands are reduced first
+    (an all-reduce on every rank), the sum is computed whole, and an in-place call writes it back into its ``Partial``
+    self through :func:`_copy_into_partial` (the value on one rank of each sum dim). Every other call takes torch's
+    path."""
+    self_, src = args[0], (args[3] if len(args) > 3 else kwargs.get("src"))
+    operands = [t for t in (self_, src) if isinstance(t, DTensor)]
+    if not any(p.is_partial() for t in operands for p in t.placements):
+        with _torch_path(op_call, _scatter_add_of_partial):
+            return op_call(*args, **kwargs)
+
+    def whole(t):
+        if not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
+            return t
+        return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+
+    rest = list(args[1:])
+    if len(rest) > 2:
+        rest[2] = whole(rest[2])
+    value = torch.ops.aten.scatter_add.default(whole(self_), *rest, **{k: whole(v) for k, v in kwargs.items()})
+    if op_call is torch.ops.aten.scatter_add_.default:
+        return self_.copy_(value)
+    return value
+
+
 def _copy_into_partial(op_call, args: tuple, kwargs: dict):
     """``dst.copy_(src)`` where ``dst`` is partial on some mesh dim and ``src`` (a DTensor on the same mesh) is
     placed otherwise or has another shape (broadcasting).
@@ -495,6 +521,8 @@ def install() -> None:
     torch_internals.dtensor_custom_op_handlers()[aten.view.default] = _view_of_relaid
     torch_internals.dtensor_custom_op_handlers()[aten.copy_.default] = _copy_into_partial
     torch_internals.dtensor_custom_op_handlers()[aten.clone.default] = _clone_of_ragged
+    for op in (aten.scatter_add.default, aten.scatter_add_.default):
+        torch_internals.dtensor_custom_op_handlers()[op] = _scatter_add_of_partial
     for op in (aten.split.Tensor, aten.split_with_sizes.default):
         torch_internals.dtensor_custom_op_handlers()[op] = _split_interleaved
     _installed = True

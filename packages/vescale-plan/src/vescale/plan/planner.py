@@ -260,6 +260,7 @@ class Planner:
             for p in mine:
                 self.set_param(p, Replicate(), "replicated", f"{note}: no unambiguous in/out projection pair"
                                if ok or not y else f"{note}: inner size {y} does not divide by {self.tp}={self.n}")
+            self._run_whole_locally(fqn)
             return
         for p in ins:
             shape = self.t.shapes[p]
@@ -283,6 +284,20 @@ class Planner:
                      "data-dependent code: runs on local shards; float inputs get partial-sum gradients")
         self.add(self.outputs, fqn, 0, partial, "its local result is a partial sum (row-parallel)")
         self.stream_output(fqn, f"reduce opaque {fqn}'s partial sums into the residual stream")
+        if 0 in call.args:
+            self.column_input([fqn], call.args[0])
+
+    def _run_whole_locally(self, fqn: str) -> None:
+        """An opaque module with every parameter replicated runs whole on every rank as plain tensors (its input full,
+        its result replicated): code DTensor cannot follow (data-dependent loops, a ``to_local()`` of its own weight
+        as Ergo's expert norm makes) then computes exactly one device's values; gradients stay replicated."""
+        call = next((c for c in self.t.calls if c.fqn == fqn), None)
+        if not fqn or call is None:
+            return
+        for key in call.args:
+            self.add(self.local, fqn, key, None, "data-dependent code, all parameters replicated: runs whole on "
+                     "plain tensors")
+        self.add(self.outputs, fqn, 0, self.act(Replicate()), "its local result is the whole result")
         if 0 in call.args:
             self.column_input([fqn], call.args[0])
 

@@ -16,8 +16,9 @@ Otherwise the last module call before the op that returned it gets an output bou
 stream-shaped output, else full): one all-reduce (reduce-scatter under sequence parallelism), as the pair needs
 anyway. Where no module returns it, the random op's own module (an ``nn.Dropout``) gets an input boundary; where there
 is none either, the pair is refused (replicated, with the reason). A random op no plan can make equal one device
-(inside an opaque module, which runs on local plain tensors, or one the counter RNG does not draw) raises
-:class:`~vescale.core.errors.PlanError` naming it.
+(inside an opaque module, which runs on local plain tensors) raises :class:`~vescale.core.errors.PlanError` naming
+it. Random ops the counter RNG does not draw (``multinomial``, ``poisson``, ...) are refused by the counter RNG itself
+when they reach a DTensor (:class:`vescale.dtensor.UndrawnRandomError`), whichever plan produced the layout.
 """
 
 from __future__ import annotations
@@ -64,22 +65,17 @@ def _reduced_before(t: ModelTrace, pl: Planner, node: str, src: int, r: RandomOp
     return False
 
 
-#: Random ops vescale's counter RNG does not draw (they keep torch's generator, so no layout can equal one device).
-_UNCOVERED = {"exponential_", "geometric_", "log_normal_", "cauchy_"}
-
-
-def _refuse_uncovered(t: ModelTrace) -> None:
+def _refuse_opaque(t: ModelTrace) -> None:
     """Raise :class:`PlanError` for a random op whose values no plan can make equal to one device's: one inside a
     module that runs on local shards as plain tensors (an opaque module: torch's generator, not the counter RNG, and
-    local element indices), or one the counter RNG does not cover. Pure: every rank raises it, before any collective."""
+    local element indices). Pure: every rank raises it, before any collective."""
     for r in t.random_ops:
         if not r.active:  # a dropout in eval mode: nothing is drawn
             continue
         opaque = next((f for f in r.stack if f and f in t.opaque), None)
-        if opaque is not None or r.op in _UNCOVERED:
+        if opaque is not None:
             why = (f"it runs inside {opaque}, which cannot be traced on meta ({t.opaque[opaque]}) and so runs on "
-                   "local shards as plain tensors, outside vescale's counter RNG" if opaque is not None else
-                   "vescale's counter RNG does not draw it (torch's generator would)")
+                   "local shards as plain tensors, outside vescale's counter RNG")
             raise PlanError(f"auto_plan: the random op {r.op} in {r.stack[-1] or '<root>'} would not draw the values "
                             f"one device draws under tensor parallelism: {why}. Turn that randomness off where the "
                             "model allows it, or train this model without tensor parallelism (eval-mode plans, "
@@ -92,7 +88,7 @@ def reduce_before_random(t: ModelTrace, pl: Planner) -> dict[str, str]:
     instead (no module boundary can reduce them first); the caller plans again with them refused."""
     if pl.tp is None or pl.n == 1 or not t.random_ops:
         return {}
-    _refuse_uncovered(t)
+    _refuse_opaque(t)
     sources = _partial_sources(t, pl)
     pair_of = dict(pl.pairs)
     refused: dict[str, str] = {}
