@@ -9,8 +9,13 @@ inside :func:`single_device` (or a world size of 1). The values differ from ``to
 How calls are intercepted:
 
 * After :func:`manual_seed`, the random aten ops of **every DTensor** (``uniform_``, ``normal_``, ``bernoulli_``,
-  ``bernoulli``, ``random_``, ``native_dropout``, ``rand_like``, ``randn_like``, ``randint_like``) use this scheme,
-  through torch's DTensor custom-op-handler table. Hence ``torch.nn.init.*`` (``normal_``, ``uniform_``,
+  ``bernoulli``, ``random_``, ``native_dropout``, ``rand_like``, ``randn_like``, ``randint_like``, and
+  ``exponential_``, ``geometric_``, ``log_normal_``, ``cauchy_``: inverse-CDF transforms of uniforms in the open
+  interval (0, 1), see :mod:`vescale.dtensor._random_values`) use this scheme, through torch's DTensor
+  custom-op-handler table. Every other random aten op that reaches a DTensor (:func:`undrawn_random_ops`:
+  ``multinomial``, ``poisson``, ``rrelu_with_noise``, ``normal`` with tensor arguments, ``.out`` variants, ...)
+  raises :class:`~vescale.dtensor.errors.UndrawnRandomError` naming it, on every rank and before any collective,
+  instead of drawing per rank from torch's generator. Hence ``torch.nn.init.*`` (``normal_``, ``uniform_``,
   ``trunc_normal_``, ``kaiming_*``, ``xavier_*``) and ``F.dropout`` on DTensors follow it without code changes.
 * Inside ``with single_device():`` (a ``TorchDispatchMode``) the same ops on **plain tensors** use it too, as do
   factory calls ``torch.rand/randn/randint``. This is the single-device reference, and what deferred init replays.
