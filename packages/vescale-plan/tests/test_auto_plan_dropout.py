@@ -208,3 +208,64 @@ def test_random_op_inside_an_opaque_module_is_refused_in_training_mode_only():
     plan = plan_from_trace(trace_model(model.eval()), ["tp"], {"tp": 2})
     roles = {d.fqn: d.role for d in plan.decisions if d.kind == "parameter"}
     assert roles["moe.w_in"] == "column" and roles["moe.w_out"] == "row", roles
+
+
+class _ExpertNorm(nn.Module):
+    """Ergo's shape: not traceable on meta (``int()`` of a tensor), no projection pair (a per-expert scale only), and
+    code that unwraps its own weight when it is a DTensor and indexes it with routing ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(4, 16) + 0.5)
+
+    def forward(self, h, ids):
+        from torch.distributed.tensor import DTensor
+
+        weight = self.scale.to_local() if isinstance(self.scale, DTensor) else self.scale
+        k = int((ids > 1).sum()) % 2
+        return h * weight[ids] * (k + 1)
+
+
+class _ExpertNormModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.router = nn.Linear(16, 4)
+        self.norm = _ExpertNorm()
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.down(self.up(h).relu())
+        return self.head(h + self.norm(h, self.router(h).argmax(-1)))
+
+
+@multi_rank(world_sizes=[2])
+def test_opaque_module_without_a_pair_runs_whole_and_equals_one_device():
+    """An opaque module whose parameters all stay replicated runs whole on plain tensors on every rank (its code may
+    ``to_local()`` its own weight and index it with routing ids, as Ergo's expert norm does: on DTensors that was
+    ``aten.index.Tensor got mixed torch.Tensor and DTensor``); logits and every gradient equal one device."""
+    from vescale.core.mesh import init_mesh
+    from vescale.parallel import parallelize_module
+    from vescale.plan import auto_plan
+
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    ref = _ExpertNormModel()
+    model = _ExpertNormModel()
+    model.load_state_dict(ref.state_dict())
+    out_ref = ref(ids)
+    out_ref.square().mean().backward()
+    mesh = init_mesh({"tp": 2})
+    plan = auto_plan(model, mesh, example_args=(ids,))
+    assert any(d.kind == "local" and d.fqn == "norm" for d in plan.decisions), plan.decisions
+    parallelize_module(model, mesh, plan)
+    out = model(ids)
+    full = out.full_tensor() if hasattr(out, "full_tensor") else out
+    full.square().mean().backward()
+    torch.testing.assert_close(full, out_ref, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(g, dict(ref.named_parameters())[n].grad, rtol=1e-5, atol=1e-5, msg=n)
