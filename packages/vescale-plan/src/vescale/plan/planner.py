@@ -34,6 +34,7 @@ class Planner:
         self.inputs: dict[str, dict[Any, list]] = {}
         self.outputs: dict[str, dict[Any, list]] = {}
         self.local: dict[str, dict[Any, list]] = {}
+        self.whole: set[str] = set()  # modules planned to run whole on plain tensors (_run_whole_locally)
         self.sharded_embeddings: list[str] = []
         self.why: dict[tuple[int, str], str] = {}
         self.notes: list[Decision] = []
@@ -117,6 +118,21 @@ class Planner:
                     and self.params.get(e.param, (None, ""))[1] != "head":
                 self.plan_head(e)
         self.boundaries_root(out_taint)
+        self._keep_whole_runs_outside_local()
+
+    def _keep_whole_runs_outside_local(self) -> None:
+        """A module planned to run whole (:meth:`_run_whole_locally`) that contains, or lies inside, another ``local``
+        module would mix plain tensors and DTensors (the inner one wraps its results as DTensors in code that runs on
+        plain tensors, or runs on DTensors the outer one made plain): it keeps its DTensor run instead, and a
+        data-dependent read there is refused by name at run time."""
+        nested = {f for f in self.whole for other in self.local
+                  if other != f and (other.startswith(f + ".") or f.startswith(other + "."))}
+        for fqn in nested:
+            self.local.pop(fqn, None)
+            self.outputs.get(fqn, {}).pop(0, None)
+            if not self.outputs.get(fqn):
+                self.outputs.pop(fqn, None)
+        self.whole -= nested
 
     def column_layout(self, c: str, row: str):
         """``(placement, description)`` for column ``c`` from its layout evidence, or ``(None, why replicated)``."""
@@ -294,6 +310,7 @@ class Planner:
         call = next((c for c in self.t.calls if c.fqn == fqn), None)
         if not fqn or call is None:
             return
+        self.whole.add(fqn)
         for key in call.args:
             self.add(self.local, fqn, key, None, "data-dependent code, all parameters replicated: runs whole on "
                      "plain tensors")
