@@ -19,6 +19,7 @@ from vescale.core.testing import multi_rank
 ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "tools"))  # tools/train.py imports by name, as do config, models, data, report
+import report  # noqa: E402
 import train  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def _gather_on_rank_device() -> tuple[str, list[list[float]], str]:
 
     rank = dist.get_rank()
     device = train.rank_device()
-    got = train.gather_per_rank([rank + 0.5, 2.0 * rank, 7.0], device)
+    got = report.gather_per_rank([rank + 0.5, 2.0 * rank, 7.0], device)
     return str(device), got.tolist(), str(got.device)
 
 

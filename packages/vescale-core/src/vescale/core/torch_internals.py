@@ -294,6 +294,32 @@ def op_schema(func: Any) -> Any:
     return func._schema
 
 
+def aten_ops_with_tensor_arguments(tag: Any, *, skip_composite_implicit: bool = True) -> list:
+    """Every registered ``aten`` op overload carrying ``tag`` (a ``torch.Tag``) that takes a tensor argument; with
+    ``skip_composite_implicit``, less those with a ``CompositeImplicitAutograd`` kernel (they decompose before any
+    tensor subclass sees them). Sorted by qualified name.
+
+    Why: torch lists registered op names, their dispatch keys and schemas only through ``torch._C``
+    (``_dispatch_get_all_op_names``, ``_dispatch_has_kernel_for_dispatch_key``, ``OpOverload._schema``).
+    """
+    import torch
+
+    out = []
+    for name in sorted(torch._C._dispatch_get_all_op_names()):
+        if not name.startswith("aten::"):
+            continue
+        base, _, overload = name[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, base, None), overload or "default", None)
+        if op is None or tag not in op.tags:
+            continue
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+        if skip_composite_implicit and composite:
+            continue
+        if any(a.type.isSubtypeOf(torch._C.TensorType.get()) for a in op._schema.arguments):
+            out.append(op)
+    return out
+
+
 def storage_id(t: Any) -> int:
     """An id of ``t``'s storage, equal for every view of it and valid on the meta device.
 

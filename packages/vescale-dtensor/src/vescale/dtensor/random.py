@@ -416,18 +416,8 @@ def undrawn_random_ops() -> tuple:
     kernels that draw only with a dropout argument. While the counter RNG is installed each of them raises
     :class:`UndrawnRandomError` on a DTensor instead of drawing per rank from torch's generator."""
     drawn = set(_DTENSOR_OPS) | set(_FACTORY_OPS)
-    out = []
-    for name in sorted(torch._C._dispatch_get_all_op_names()):
-        if not name.startswith("aten::") or any(word in name for word in _CONDITIONAL):
-            continue
-        base, _, overload = name[len("aten::"):].partition(".")
-        op = getattr(getattr(aten, base, None), overload or "default", None)
-        if op is None or op in drawn or torch.Tag.nondeterministic_seeded not in op.tags:
-            continue
-        if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"):
-            continue
-        if any(a.type.isSubtypeOf(torch._C.TensorType.get()) for a in op._schema.arguments):
-            out.append(op)
+    out = [op for op in torch_internals.aten_ops_with_tensor_arguments(torch.Tag.nondeterministic_seeded)
+           if op not in drawn and not any(word in op.name() for word in _CONDITIONAL)]
     return tuple(out)
 
 
