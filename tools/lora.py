@@ -67,10 +67,8 @@ def lora_problems(cfg) -> list[str]:
                    "> 0 and dropout in [0, 1)")
     if not lora["targets"]:
         out.append("--lora names no targets (targets=q_proj,k_proj,...)")
-    for dim in ("cp",):
-        if cfg.dims.get(dim, 1) > 1:
-            out.append(f"--lora with {dim}={cfg.dims[dim]} is not supported yet (--lora runs on dp, tp, pp, ep and "
-                       "ZeRO 0-3)")
+    if cfg.dims.get("cp", 1) > 1:
+        out.append(f"--lora with cp={cfg.dims['cp']} is not supported yet (--lora runs on dp, tp, pp, ep and ZeRO 0-3)")
     if not (models.is_hf_dir(cfg.model) or cfg.model in models.HF_MODELS):
         out.append(f"--lora needs a transformers model (--model DIR or one of {sorted(models.HF_MODELS)}); "
                    f"{cfg.model} is not one")
