@@ -1,27 +1,27 @@
 """``tools/train.py --lora r=8,alpha=16,targets=q_proj,k_proj,v_proj,o_proj``: LoRA fine-tuning with ``peft``.
 
 ``parse_lora`` reads the flag; ``lora_problems`` refuses (before any rank starts) a target that matches no module of
-the model, a model without a transformers class, and the meshes LoRA does not run on yet (ep, cp); ``creator``
-makes the PEFT model inside ``build_model``'s creation (so deferred init records the adapters too);
-``load_pretrained`` fills the frozen base weights from the model directory under their unwrapped names (the model,
-or a pipeline rank's stages, which keep the PEFT names); ``export`` writes the merged model (through
-``models.export_run``, the one HF exporter; each rank merges the layers it holds) and the adapters in PEFT's own format
-(``<DIR>/adapter``, what ``PeftModel.from_pretrained`` loads: every rank's adapters through a checkpoint, written once
-by rank 0). Plans, checkpoints (adapters only) and the adapters' layout on any mesh are ``vescale.plan``'s
-(``vescale.plan.lora``).
+the model, a model without a transformers class, the mesh LoRA does not run on yet (cp) and, with ``--export-hf``,
+the layers the merge cannot merge (``merge_problems``); ``creator`` makes the PEFT model inside ``build_model``'s
+creation (so deferred init records the adapters too); ``load_pretrained`` fills the frozen base weights from the
+model directory under their unwrapped names (the model, or a pipeline rank's stages, which keep the PEFT names);
+``export`` writes the merged model (through ``models.export_run``, the one HF exporter; each rank merges the layers it
+holds, each adapter by the scaling its layer holds, as peft's ``merge_and_unload``) and the adapters in PEFT's own
+format (``<DIR>/adapter``, what ``PeftModel.from_pretrained`` loads: every rank's adapters through a checkpoint,
+written once by rank 0). Plans, checkpoints (adapters only) and the adapters' layout on any mesh are
+``vescale.plan``'s (``vescale.plan.lora``).
 """
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import models
 import torch
 from torch import nn
 
-__all__ = ["parse_lora", "lora_problems", "creator", "wrap", "lora_config", "load_pretrained", "peft_names", "export",
-           "ADAPTER_DIR"]
+__all__ = ["parse_lora", "lora_problems", "creator", "wrap", "lora_config", "load_pretrained", "merge_problems",
+           "peft_names", "export", "ADAPTER_DIR"]
 
 #: the adapters' directory inside ``--export-hf DIR``
 ADAPTER_DIR = "adapter"
@@ -84,6 +84,10 @@ def lora_problems(cfg) -> list[str]:
             close = sorted({n.rsplit(".", 1)[-1] for n in names if n})
             out.append(f"--lora target {target!r} matches no module of {cfg.model} (its module names end in "
                        f"{', '.join(close[:20])})")
+    if getattr(cfg, "export_hf", None) and not out:  # the merge's refusals, asked of the whole model (every rank)
+        with torch.device("meta"):
+            peft_model = wrap(models.create(cfg.model), lora)
+        out += [f"--export-hf with --lora: {p}" for p in merge_problems([peft_model])]
     return out
 
 
@@ -139,37 +143,100 @@ def load_pretrained(src: str, modules: list[nn.Module], *, stages: bool = False,
     files = models.hf_weight_names(src)
     for module in modules:
         base = {base_fqn(n, prefix): t for n, t in module.state_dict().items() if ".lora_" not in n}
-        # tensors the directory stores under other names (Mixtral's experts, one per expert): read by _load_stored,
-        # which takes anything with a state_dict (here the base tensors, views of the model's)
+        # tensors the directory stores under other names (Mixtral's experts, one per expert): read, with a stage's
+        # tied output embedding, by load_renamed_and_tied (the base tensors are views of the model's)
         stored = models.stored_names(src, {k: list(t.shape) for k, t in base.items()}, files)
         import_hf(src, {k: t for k, t in base.items() if k not in stored}, strict=not (stages or stored))
-        if stored:
-            models._load_stored(src, types.SimpleNamespace(state_dict=lambda base=base: base), stored, files)
-        for name, t in base.items():
-            source = base_fqn((tied or {}).get(prefix + name, ""), prefix)
-            if stages and name not in files and source in files:
-                models._copy_whole(src, source, t)
+        # ``tied`` is keyed by PEFT names; only a stage can hold the output embedding without the input one
+        base_tied = {name: base_fqn(tied[prefix + name], prefix) for name in base
+                     if stages and prefix + name in (tied or {})}
+        models.load_renamed_and_tied(src, base, files, stored, base_tied)
 
 
-def _merged(modules: list[nn.Module], scaling: float) -> dict[str, torch.Tensor]:
-    """The base model's state held by ``modules`` (a model or a rank's pipeline stages) with each LoRA layer merged
-    (``W + scaling * B @ A``), by the unwrapped names, laid out as the base weights are (the adapters' layout makes
-    ``B @ A`` land on the base weight's placement; a layer's adapters live on its base layer's stage)."""
+def merge_problems(modules: list[nn.Module]) -> list[str]:
+    """Why the merged export cannot merge the PEFT layers of ``modules`` (a model or a rank's pipeline stages) the way
+    peft's ``merge_and_unload`` does, one sentence each naming the module's FQN and the setting; empty when it can.
+    Merged: peft LoRA ``Linear`` layers, each active adapter by its own ``scaling`` (``rank_pattern`` /
+    ``alpha_pattern``, ``use_rslora``), ``lora_bias`` too. Refused: LoRA variants (DoRA ``use_dora``, ...),
+    ``fan_in_fan_out``, LoRA on embeddings, convolutions, attention or parameters (``target_parameters``), other
+    tuners, ``modules_to_save`` and trainable tokens. Pure: no communication (the same answer on every rank that holds
+    the same layers; ``lora_problems`` asks it of the whole model before any rank starts)."""
+    from peft.tuners.lora import Linear, LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    out = []
+    for module in modules:
+        for fqn, m in module.named_modules():
+            kind = type(m).__name__
+            if isinstance(m, AuxiliaryTrainingWrapper):
+                out.append(f"{fqn!r} is a peft {kind} (modules_to_save / trainable_token_indices): the merged export "
+                           "does not write its trained copy")
+            elif isinstance(m, BaseTunerLayer) and not isinstance(m, LoraLayer):
+                out.append(f"{fqn!r} is a peft {kind}, not a LoRA layer: the merged export merges LoRA only")
+            elif not isinstance(m, LoraLayer):
+                continue
+            elif not (isinstance(m, Linear) and type(m).merge is Linear.merge
+                      and type(m).get_delta_weight is Linear.get_delta_weight):
+                out.append(f"{fqn!r} is a peft LoRA {kind}: the merged export merges LoRA on linear layers only "
+                           "(target_modules naming nn.Linear layers)")
+            elif m.fan_in_fan_out:
+                out.append(f"{fqn!r} has fan_in_fan_out (a [in, out] base weight): the merged export merges [out, in] "
+                           "weights only")
+            else:
+                for adapter in _adapters_to_merge(m):
+                    variant = m.lora_variant.get(adapter)
+                    if variant is not None:
+                        what = "DoRA (use_dora)" if m.use_dora.get(adapter) else type(variant).__name__
+                        out.append(f"{fqn!r} adapter {adapter!r} is {what}: the merged export merges plain LoRA only")
+                    elif m.lora_bias[adapter] and getattr(m.get_base_layer(), "bias", None) is None:
+                        out.append(f"{fqn!r} adapter {adapter!r} has lora_bias but its base layer no bias")
+    return out
+
+
+def _adapters_to_merge(layer: nn.Module) -> list[str]:
+    """The adapters of a LoRA layer that ``merge_and_unload`` merges: the active ones it holds, not merged yet."""
+    return [a for a in layer.active_adapters if a in layer.lora_A and a not in layer.merged_adapters]
+
+
+def _merged(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The base model's state held by ``modules`` (a model or a rank's pipeline stages) with each LoRA layer merged as
+    peft's ``merge_and_unload`` merges it (``W + (B @ A) * scaling``, each adapter by the ``scaling`` its layer holds;
+    with ``lora_bias`` also ``bias + B.bias * scaling``), by the unwrapped names, laid out as the base weights are (the
+    adapters' layout makes ``B @ A`` land on the base weight's placement; a layer's adapters live on its base layer's
+    stage). Raises ValueError naming every layer :func:`merge_problems` refuses, before any collective. No
+    communication beyond what a DTensor ``B @ A`` of that layout issues (none: see ``vescale.plan.lora``)."""
+    from peft.tuners.lora import LoraLayer
+
     from vescale.plan.lora import base_fqn
 
+    problems = merge_problems(modules)
+    if problems:
+        raise ValueError("--export-hf cannot merge these LoRA layers exactly (peft merge_and_unload):\n  "
+                         + "\n  ".join(problems))
     prefix = _prefix(modules)
     merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for module in modules:
-            state = module.state_dict()
-            for name, t in state.items():
+            deltas: dict[str, list[torch.Tensor]] = {}  # a base weight's (or bias's) state_dict name -> what it gains
+            for fqn, layer in module.named_modules():
+                if not isinstance(layer, LoraLayer):
+                    continue
+                for adapter in _adapters_to_merge(layer):
+                    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+                    scaling = layer.scaling[adapter]
+                    if b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16):
+                        delta = ((b.float() @ a.float()) * scaling).to(b.dtype)  # as peft: half matmuls on CPU in fp32
+                    else:
+                        delta = (b @ a) * scaling
+                    deltas.setdefault(f"{fqn}.base_layer.weight", []).append(delta)
+                    if layer.lora_bias[adapter]:
+                        deltas.setdefault(f"{fqn}.base_layer.bias", []).append(layer.lora_B[adapter].bias * scaling)
+            for name, t in module.state_dict().items():
                 if ".lora_" in name:
                     continue
-                layer = name.removesuffix(".base_layer.weight")
-                for a_name in (n for n in state if layer != name and n.startswith(f"{layer}.lora_A.")
-                               and n.endswith(".weight")):
-                    a, b = state[a_name], state[a_name.replace(".lora_A.", ".lora_B.", 1)]
-                    t = t + scaling * (b @ a).to(t.dtype)
+                for delta in deltas.get(name, ()):  # in the adapters' order, as peft adds them in place
+                    t = (t + delta).to(t.dtype)
                 merged[base_fqn(name, prefix)] = t
     return merged
 
@@ -197,7 +264,7 @@ def export(cfg, model: nn.Module | list[nn.Module], out: Path, log=print) -> Non
     if not has_adapters(held):
         models.export_run(cfg, model, out, log=log)
         return
-    models.export_run(cfg, _merged(held, cfg.lora["alpha"] / cfg.lora["r"]), out, log=log)
+    models.export_run(cfg, _merged(held), out, log=log)
     tmp = out / "export-adapter-ckpt"
     checkpoint.save(tmp, {"adapters": adapter_state(held)})
     if dist.get_rank() == 0:

@@ -33,7 +33,7 @@ from torch import nn
 __all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "HF_MODELS", "MODELS", "ModelSpec", "model_spec", "create", "plan_family",
            "tp_plan",
            "is_hf_dir", "hf_config", "hf_weight_names", "tied_names", "pretrained_problems", "stored_names",
-           "load_pretrained",
+           "load_pretrained", "load_renamed_and_tied",
            "load_sharded", "matmul_params", "flops_per_token", "has_tokenizer", "export_pretrained", "export_run"]
 
 
@@ -375,21 +375,42 @@ def load_pretrained(src: str, modules: list[nn.Module], *, stages: bool = False,
     A whole model (``stages=False``, one module) loads strictly; pipeline stages (``stages=True``) each hold a part,
     so their loads are not strict: ``pretrained_problems`` has checked the names and shapes beforehand. Tensors the
     directory stores under other names (:func:`stored_names`: Mixtral's experts, one tensor per expert) are read by
-    ``_load_stored``, each rank reading only its boxes (an ep rank: its experts' tensors)."""
+    :func:`load_renamed_and_tied`, each rank reading only its boxes (an ep rank: its experts' tensors)."""
     from vescale.checkpoint import import_hf
 
     files = hf_weight_names(src)  # the safetensors headers, read once for every module
-    # tensors the directory holds under other names (experts one tensor per expert), read by _load_stored
+    # tensors the directory holds under other names (experts one tensor per expert), read by load_renamed_and_tied
     stored = [stored_names(src, {k: list(t.shape) for k, t in m.state_dict().items()}, files) for m in modules]
     if not stages and not stored[0]:  # the whole model: a strict load (which also resolves weights tied by storage)
         import_hf(src, modules[0])
         return
     for module, renamed in zip(modules, stored):
         import_hf(src, module, strict=False)  # (with renamed tensors: pretrained_problems checked every name)
-        _load_stored(src, module, renamed, files)
-        for name, t in module.state_dict().items():
-            if name not in files and (tied or {}).get(name) in files:
-                _copy_whole(src, tied[name], t)
+        load_renamed_and_tied(src, module.state_dict(), files, renamed, tied)
+
+
+def load_renamed_and_tied(src: str, tensors: dict[str, torch.Tensor], files: dict[str, list[int]],
+                          stored: dict[str, _Stored], tied: dict[str, str] | None = None) -> None:
+    """Fill, in place, the tensors of ``tensors`` that the HF directory ``src`` does not hold under their own names
+    (what ``vescale.checkpoint.import_hf`` leaves out); every other tensor is left untouched.
+
+    ``tensors``: FQN (the directory's naming) -> the tensor to fill, plain or a DTensor on any mesh (a module's
+    ``state_dict()``, whose tensors are views of its parameters). ``files``: the directory's tensors
+    (:func:`hf_weight_names`). Two kinds are read:
+
+    * the FQNs in ``stored`` (:func:`stored_names`: Mixtral's experts, one file tensor per expert; renamed
+      tensors): each rank reads only the bytes of the boxes it holds (a DTensor's local chunks; an expert parameter
+      ``Shard(0)`` on ep: its experts' tensors);
+    * an FQN absent from ``files`` whose ``tied[FQN]`` (same naming: the tied input embedding) is in ``files``: that
+      tensor is read whole on this rank and its local shard copied (a pipeline stage holding the tied output
+      embedding without the input one).
+
+    No communication (a DTensor's shard is sliced locally)."""
+    if stored:
+        _load_stored(src, tensors, stored, files)
+    for name, t in tensors.items():
+        if name not in files and (tied or {}).get(name) in files:
+            _copy_whole(src, tied[name], t)
 
 
 def _copy_whole(src: str, key: str, target: torch.Tensor) -> None:
@@ -482,8 +503,9 @@ def _stored_shape(stored: _Stored, files: dict[str, list[int]]) -> list[int]:
     return [len(stored.parts[0]), sum(files[p[0]][0] for p in stored.parts), *first[1:]]
 
 
-def _load_stored(src: str, module: nn.Module, stored: dict[str, _Stored], files: dict[str, list[int]]) -> None:
-    """Fill ``module``'s tensors named in ``stored`` from the HF directory ``src`` (whose tensors are ``files``),
+def _load_stored(src: str, tensors: dict[str, torch.Tensor], stored: dict[str, _Stored],
+                 files: dict[str, list[int]]) -> None:
+    """Fill the tensors of ``tensors`` named in ``stored`` from the HF directory ``src`` (whose tensors are ``files``),
     each rank reading only the bytes of the boxes it holds (a DTensor's local chunks; an expert parameter
     ``Shard(0)`` on ep: its experts' tensors)."""
     from safetensors import safe_open
@@ -502,7 +524,7 @@ def _load_stored(src: str, module: nn.Module, stored: dict[str, _Stored], files:
         return handles[file].get_slice(name)
 
     with torch.no_grad():
-        for fqn, t in module.state_dict().items():
+        for fqn, t in tensors.items():
             info = stored.get(fqn)
             if info is None:
                 continue
