@@ -67,6 +67,8 @@ def test_fast_model_matches_single_device_and_dtensor_path():
         loss.backward()
         return logits.detach(), loss.detach()
 
+    with torch.no_grad():
+        fast(input_ids=tokens)  # probed for random ops (DTensor path)
     ref_logits, ref_loss = step(ref)
     logits, loss = step(fast)
     assert fast.forward.local_calls == 1
@@ -84,6 +86,8 @@ def test_fast_model_matches_single_device_and_dtensor_path():
     ref.eval(), fast.eval()
     prompt = tokens[:, :5].clone()
     prompt[1, 1] = 0
+    with torch.no_grad():
+        fast(input_ids=prompt)  # probed for random ops (DTensor path)
     calls = fast.forward.local_calls
     with torch.no_grad():
         want = ref.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -127,6 +131,8 @@ def test_fast_model_dp_tp_loss_parallel_qwen2():
 
     dp = mesh.get_local_rank(0)
     rows = slice(2 * dp, 2 * dp + 2)
+    with torch.no_grad():
+        par(input_ids=tokens[rows], use_cache=False)  # probed for random ops (DTensor path)
     logits = par(input_ids=tokens[rows], use_cache=False).logits
     assert par.forward.local_calls == 1
     assert isinstance(logits, DTensor) and tuple(logits.placements) in {(Shard(0), Shard(2)), (Shard(0), Shard(-1))}
@@ -157,6 +163,8 @@ def test_fast_model_stands_aside_where_it_cannot_show_equal():
     labels = tokens.roll(1, dims=1)
 
     # labels: Hugging Face's loss wants the full vocabulary; the model's own forward runs (its layers still fast)
+    with torch.no_grad():
+        par(input_ids=tokens, labels=labels, use_cache=False)  # probed for random ops (DTensor path)
     loss = par(input_ids=tokens, labels=labels, use_cache=False).loss
     ref_loss = ref(input_ids=tokens, labels=labels, use_cache=False).loss
     assert par.forward.local_calls == 0 and par.model.layers[0].forward.local_calls == 1
@@ -214,6 +222,7 @@ def test_fast_model_decode_cache_and_logits_as_dtensor_path():
 
     with torch.no_grad():
         ref_cache, ref_logits = decode(ref)
+        fast(input_ids=tokens, use_cache=False)  # probed for random ops (DTensor path)
     for grad in (False, True):
         calls = fast.forward.local_calls
         with torch.set_grad_enabled(grad):
@@ -241,6 +250,7 @@ def test_fast_model_decode_cache_and_logits_as_dtensor_path():
     sharded = parallelize_module(copy.deepcopy(ref), mesh, llama_plan(mesh, loss_parallel=True))
     assert sharded.forward.gathered_placements is None
     with torch.no_grad():
+        sharded(input_ids=tokens, use_cache=False)  # probed for random ops (DTensor path)
         logits = sharded(input_ids=tokens, use_cache=False).logits
         ref_full = ref(input_ids=tokens, use_cache=False).logits
     assert sharded.forward.local_calls == 1

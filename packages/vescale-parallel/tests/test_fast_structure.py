@@ -61,6 +61,8 @@ def test_same_structure_other_family_runs_fast_and_matches_one_device(family):
         loss.backward()
         return logits.detach(), loss.detach()
 
+    with torch.no_grad():
+        fast(input_ids=tokens, use_cache=False)  # probed for random ops (DTensor path)
     ref_logits, ref_loss = step(ref)
     logits, loss = step(fast)
     assert all(layer.forward.local_calls == 1 for layer in fast.model.layers)
@@ -100,6 +102,7 @@ def test_dropout_in_training_takes_the_dtensor_path():
     assert (model.forward.local_calls, layer.forward.local_calls) == (0, 0)
     model.eval()
     with torch.no_grad():
+        model(input_ids=tokens, use_cache=False)  # the first eval call is probed for random ops, on DTensors
         model(input_ids=tokens, use_cache=False)
     assert (model.forward.local_calls, layer.forward.local_calls) == (1, 1)
 

@@ -151,6 +151,8 @@ def test_llama_tp2_out_of_vocabulary_ids_raise_on_every_rank_fast_and_dtensor_pa
     want = _single_device(_llama, tokens)
     model = parallelize_module(_llama(), mesh, llama_plan(mesh))
     assert isinstance(model.forward, FastModel)
+    with torch.no_grad():
+        _call(model, tokens)  # probed for random ops (DTensor path)
     for fast in (True, False):
         with fast_path(fast):
             calls = model.forward.local_calls

@@ -34,6 +34,7 @@ from vescale.parallel.fast.boundary import (
 )
 from vescale.parallel.fast.cache import set_cache_mode, wrap_caches
 from vescale.parallel.fast.context import FastPathContext, fast_path_enabled
+from vescale.parallel.fast.random_guard import RandomGuard, random_code
 from vescale.parallel.fast.structure import (
     dropout_active,
     dropout_fields,
@@ -71,6 +72,8 @@ def block_layout(module: nn.Module, mesh) -> BlockLayout | None:
     others = [c for n, c in children.items() if n not in linears]
     if len(others) > 1 or not all(is_activation(c) for c in others):
         return None
+    if random_code((module, *children.values()), dropout_fields(module, getattr(module, "config", None))):
+        return None  # its forward (or a child's) may draw random numbers: see .random_guard
     if not all(isinstance(lin.weight, DTensor) and lin.weight.device_mesh == mesh for lin in linears.values()):
         return None
     columns = tuple(n for n, lin in linears.items() if only_shard_on(lin.weight.placements, 0) is not None)
@@ -145,7 +148,9 @@ class FastBlock:
     active attention dropout, an attention implementation among :data:`ATTENTION_IMPLEMENTATIONS`, the input so
     placed, every other DTensor argument on the plan's mesh placed like it, no argument but the input requiring grad,
     a KV cache (if any) with an ``update`` method, the parameters still those checked at installation, no other
-    dropout of the module or its config active (:func:`~vescale.parallel.fast.structure.dropout_active`).
+    dropout of the module or its config active (:func:`~vescale.parallel.fast.structure.dropout_active`), and no
+    random op drawn by the first call in the module's mode (``random``: a
+    :class:`~vescale.parallel.fast.random_guard.RandomGuard`; that first call takes the DTensor path).
 
     On the fast path the arguments and the block's parameters become their local tensors (``to_local``,
     differentiable: the input's gradient is ``Partial`` on ``k``, a parameter's is partial on the dims where the input
@@ -162,6 +167,7 @@ class FastBlock:
         self.input_name, self.params, self.finish, self.context = layout.input, params, finish, context
         self.row_placements = row_placements
         self.dropouts = dropout_fields(module, getattr(module, "config", None))
+        self.random = RandomGuard()
         self.local_calls = 0  # how many calls took the fast path (for tests and benchmarks)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -172,6 +178,8 @@ class FastBlock:
         params = self.params_now()
         if params is None:
             return self.orig(*args, **kwargs)
+        if not self.random.clean(self.module):
+            return self.random.dtensor_path(self.module, self.orig, args, kwargs)
         return self._run_local(args, kwargs, params)
 
     def _input(self, args: tuple, kwargs: dict) -> Any:

@@ -28,6 +28,7 @@ from vescale.parallel.fast.boundary import (
 )
 from vescale.parallel.fast.cache import set_cache_mode, wrap_caches
 from vescale.parallel.fast.context import FastPathContext, fast_path_enabled
+from vescale.parallel.fast.random_guard import RandomGuard, random_code
 from vescale.parallel.fast.structure import (
     dropout_active,
     dropout_fields,
@@ -64,6 +65,9 @@ def install_layer(module: nn.Module, mesh, named: list[str], context: FastPathCo
         return False
     if not all(replicated_weight_norm(children[name], mesh) for name in norm_names):
         return False
+    if random_code((module, *(children[name] for name in norm_names)),
+                   dropout_fields(module, getattr(module, "config", None))):
+        return False  # its forward (or a norm's) may draw random numbers: see .random_guard
     name = input_name(module)
     if name is None:
         return False
@@ -80,8 +84,9 @@ class FastLayer:
     DTensor.
 
     Per call it checks what both blocks check (see :class:`FastBlock`) plus that the input is placed as both blocks'
-    outputs are and that no dropout of the layer or its config is active; otherwise the layer's own ``forward`` runs,
-    and its blocks decide for themselves.
+    outputs are, that no dropout of the layer or its config is active and that the first call in the layer's mode drew
+    no random op (``random``, see :class:`~vescale.parallel.fast.random_guard.RandomGuard`); otherwise the layer's own
+    ``forward`` runs, and its blocks decide for themselves.
 
     Forward values are bitwise those of the DTensor path (the same local kernels and the same all-reduces). Backward
     reduces a block's input gradient on entry, before the norm's backward, as Megatron does; the DTensor path may carry
@@ -93,6 +98,7 @@ class FastLayer:
         self.module, self.orig, self.mesh, self.k, self.blocks, self.norms = module, orig, mesh, k, blocks, norms
         self.input_name, self.context = input_name, context
         self.dropouts = dropout_fields(module, getattr(module, "config", None))
+        self.random = RandomGuard()
         self.local_calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -105,6 +111,8 @@ class FastLayer:
         params = self.params_now()
         if params is None:
             return self.orig(*args, **kwargs)
+        if not self.random.clean(self.module):
+            return self.random.dtensor_path(self.module, self.orig, args, kwargs)
         return self._run_local(args, kwargs, params)
 
     def _input(self, args: tuple, kwargs: dict) -> Any:

@@ -27,6 +27,7 @@ from vescale.parallel.fast.boundary import CACHE_KEYS, FromLocal, heads, local_p
 from vescale.parallel.fast.cache import CacheOfDTensors
 from vescale.parallel.fast.context import FastPathContext, fast_path_enabled
 from vescale.parallel.fast.layer import FastLayer
+from vescale.parallel.fast.random_guard import RandomGuard, random_code
 from vescale.parallel.fast.structure import dropout_active, dropout_fields, from_transformers, replicated_weight_norm
 from vescale.parallel.local import is_local
 from vescale.parallel.model_calls import check_token_ids, embedding_name
@@ -111,6 +112,9 @@ def install_model(module: nn.Module, mesh, inputs: dict, outputs: dict, named: l
             return False
     if not replicated_weight_norm(norm, mesh):
         return False
+    if random_code((module, decoder, norm, rotary), dropout_fields(module, getattr(module, "config", None), decoder,
+                                                                   getattr(decoder, "config", None))):
+        return False  # a forward it runs locally may draw random numbers: see .random_guard
     rope = rotary.rope_type
     if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope" or list(rotary.children()) \
             or "forward" in vars(rotary):
@@ -173,9 +177,10 @@ class FastModel:
     layer checks, plus: keyword arguments with ``input_ids`` a DTensor placed ``P`` (not ``inputs_embeds``), no
     ``labels`` (the loss wants the full vocabulary), no attentions or hidden states asked for, an integer
     ``logits_to_keep``, every other tensor argument a DTensor placed ``P`` without gradient, no dropout of the model,
-    its decoder or their configs active, every layer still its
-    :class:`FastLayer` (not checkpointed, not compiled); otherwise the model's own ``forward`` runs and its layers
-    decide for themselves.
+    its decoder or their configs active, every layer still its :class:`FastLayer` (not checkpointed, not compiled), no
+    random op drawn by the first call in the model's mode (``random``, see
+    :class:`~vescale.parallel.fast.random_guard.RandomGuard`); otherwise the model's own ``forward`` runs and its
+    layers decide for themselves.
 
     Forward values are bitwise those of the DTensor path (the same local kernels and collectives); gradients agree to
     rounding (see :class:`FastLayer`).
@@ -196,6 +201,7 @@ class FastModel:
         decoder = self._decoder()
         self.dropouts = dropout_fields(module, getattr(module, "config", None), decoder,
                                        getattr(decoder, "config", None))
+        self.random = RandomGuard()
         self.local_calls = 0
 
     def _decoder(self) -> nn.Module:
@@ -207,6 +213,8 @@ class FastModel:
         params, buffers = self._params(), self._current_buffers()
         if params is None or buffers is None:
             return self.orig(*args, **kwargs)
+        if not self.random.clean(self.module):
+            return self.random.dtensor_path(self.module, self.orig, args, kwargs)
         return self._run_local(kwargs, params, buffers)
 
     def _applies(self, args: tuple, kwargs: dict) -> bool:

@@ -5,8 +5,9 @@ compute what it computes on DTensors; what makes that hold for a transformers mo
 conventions (shapes from the input, ``view(*input_shape, -1, head_dim)``; per-head attention through its attention
 interface; elementwise activations), so a recognised module's class is one transformers defines
 (:func:`from_transformers`: a subclass defined elsewhere may compute anything) whose ``forward`` is not replaced, a
-block's ``forward`` reads no head or width count (:func:`shapes_from_input`), and a random op (dropout) is never run
-locally (:func:`dropout_fields`: a nonzero one in training sends the call to the DTensor path).
+block's ``forward`` reads no head or width count (:func:`shapes_from_input`), and a random op is never run locally
+(:func:`dropout_fields`: a nonzero one in training sends the call to the DTensor path; every other random op:
+:mod:`.random_guard`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["from_transformers", "input_name", "only_shard_on", "is_activation", "replicated_weight_norm",
-           "shapes_from_input", "dropout_fields", "dropout_active"]
+           "code_names", "shapes_from_input", "dropout_fields", "dropout_active"]
 
 # attribute names of a head count or a model width: a forward reading one may shape by global sizes, which local
 # tensors (this rank's heads or columns) do not have
@@ -73,25 +74,32 @@ def replicated_weight_norm(module: nn.Module, mesh) -> bool:
     return isinstance(w, DTensor) and w.device_mesh == mesh and all(type(p) is Replicate for p in w.placements)
 
 
-def shapes_from_input(module: nn.Module) -> bool:
-    """Whether ``type(module).forward``, and every method of its class it (transitively) refers to, reads no head
-    count or width (see ``_GLOBAL_SIZES``): its shapes then come from its input."""
-    cls, seen = type(module), set()
+def code_names(cls: type) -> frozenset[str] | None:
+    """Every name (``co_names``: globals, attributes, methods) the code of ``cls.forward`` reads, with its nested
+    functions and every method of ``cls`` defined in transformers that it (transitively) names; None if some of that
+    code cannot be read."""
+    seen, names = set(), set()
     todo = [inspect.unwrap(cls.forward)]
     while todo:
         f = todo.pop()
         code = f if inspect.iscode(f) else getattr(f, "__code__", None)
         if code is None:
-            return False
+            return None
         if code in seen:
             continue
         seen.add(code)
-        if _GLOBAL_SIZES & set(code.co_names):
-            return False
+        names.update(code.co_names)
         todo += [c for c in code.co_consts if inspect.iscode(c)]  # nested functions and comprehensions
         methods = (inspect.unwrap(m) for m in (getattr(cls, n, None) for n in code.co_names) if callable(m))
         todo += [m for m in methods if inspect.isfunction(m) and m.__module__.startswith("transformers.")]
-    return True
+    return frozenset(names)
+
+
+def shapes_from_input(module: nn.Module) -> bool:
+    """Whether ``type(module).forward``, and every method of its class it (transitively) refers to, reads no head
+    count or width (see ``_GLOBAL_SIZES``): its shapes then come from its input."""
+    names = code_names(type(module))
+    return names is not None and not _GLOBAL_SIZES & names
 
 
 def dropout_fields(*owners: Any) -> tuple[tuple[Any, str], ...]:
