@@ -78,6 +78,39 @@ def test_merged_export_equals_merge_and_unload(case):
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def _stages(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s parameters split in two module trees under their FQNs, no LoRA layer objects: what a pipeline
+    rank's captured stages (``vescale.pipe.GraphStage``) hold."""
+    stages = [torch.nn.Module(), torch.nn.Module()]
+    for name, p in model.named_parameters():
+        owner = stages[0 if "layers.0." in name or "embed_tokens" in name else 1]
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, p)
+    return stages
+
+
+def test_stages_merge_by_the_scalings_of_the_model_rebuilt_on_meta():
+    """Pipeline stages: the scalings come from the same PEFT model built on meta (what ``export`` passes)."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    config = CASES["patterns"]
+    model = _peft_model(**config)
+    with torch.device("meta"):
+        layers_of = get_peft_model(tf.LlamaForCausalLM(_llama_config()), LoraConfig(**config))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    got = {n: t for stage in _stages(model) for n, t in lora._merged([stage], layers_of).items()}
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match=r"adapter tensors \['base_model\.model\.model\.layers\.0\.self_attn\.q_proj"):
+        lora._merged(_stages(model)[:1])  # no layers to read the scalings from: refused, not merged with none
+
+
 @pytest.mark.parametrize("config, named", [
     (dict(r=4, lora_alpha=8, target_modules=["v_proj"], use_dora=True), "use_dora"),
     (dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]), "Embedding"),

@@ -199,40 +199,55 @@ def _adapters_to_merge(layer: nn.Module) -> list[str]:
     return [a for a in layer.active_adapters if a in layer.lora_A and a not in layer.merged_adapters]
 
 
-def _merged(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+def _merged(modules: list[nn.Module], layers_of: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The base model's state held by ``modules`` (a model or a rank's pipeline stages) with each LoRA layer merged as
-    peft's ``merge_and_unload`` merges it (``W + (B @ A) * scaling``, each adapter by the ``scaling`` its layer holds;
-    with ``lora_bias`` also ``bias + B.bias * scaling``), by the unwrapped names, laid out as the base weights are (the
-    adapters' layout makes ``B @ A`` land on the base weight's placement; a layer's adapters live on its base layer's
-    stage). Raises ValueError naming every layer :func:`merge_problems` refuses, before any collective. No
-    communication beyond what a DTensor ``B @ A`` of that layout issues (none: see ``vescale.plan.lora``)."""
+    peft's ``merge_and_unload`` merges it (``W + (B @ A) * scaling``, each active adapter by the ``scaling`` its layer
+    holds; with ``lora_bias`` also ``bias + B.bias * scaling``), by the unwrapped names, laid out as the base weights
+    are (the adapters' layout makes ``B @ A`` land on the base weight's placement; a layer's adapters live on its base
+    layer's stage).
+
+    ``layers_of``: the PEFT model whose LoRA layers (by FQN, as ``modules`` name them) hold each adapter's scaling and
+    settings; default ``modules`` themselves. Pipeline stages hold the model's parameters but not its LoRA layer
+    objects (peft's arithmetic is in their captured graph): pass the same PEFT model built on meta. Raises ValueError
+    naming every layer :func:`merge_problems` refuses, or an adapter tensor no layer describes, before any
+    collective. No communication (a DTensor ``B @ A`` of the adapters' layout needs none: ``vescale.plan.lora``)."""
     from peft.tuners.lora import LoraLayer
 
     from vescale.plan.lora import base_fqn
 
-    problems = merge_problems(modules)
+    source = modules if layers_of is None else [layers_of]
+    problems = merge_problems(source)
     if problems:
         raise ValueError("--export-hf cannot merge these LoRA layers exactly (peft merge_and_unload):\n  "
                          + "\n  ".join(problems))
+    layers = {fqn: m for root in source for fqn, m in root.named_modules() if isinstance(m, LoraLayer)}
     prefix = _prefix(modules)
     merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for module in modules:
+            state = module.state_dict()
             deltas: dict[str, list[torch.Tensor]] = {}  # a base weight's (or bias's) state_dict name -> what it gains
-            for fqn, layer in module.named_modules():
-                if not isinstance(layer, LoraLayer):
-                    continue
+            for fqn, layer in layers.items():
                 for adapter in _adapters_to_merge(layer):
-                    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-                    scaling = layer.scaling[adapter]
+                    a_name, b_name = f"{fqn}.lora_A.{adapter}.weight", f"{fqn}.lora_B.{adapter}.weight"
+                    if a_name not in state:  # a layer of another stage
+                        continue
+                    a, b, scaling = state[a_name], state[b_name], layer.scaling[adapter]
                     if b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16):
                         delta = ((b.float() @ a.float()) * scaling).to(b.dtype)  # as peft: half matmuls on CPU in fp32
                     else:
                         delta = (b @ a) * scaling
                     deltas.setdefault(f"{fqn}.base_layer.weight", []).append(delta)
                     if layer.lora_bias[adapter]:
-                        deltas.setdefault(f"{fqn}.base_layer.bias", []).append(layer.lora_B[adapter].bias * scaling)
-            for name, t in module.state_dict().items():
+                        deltas.setdefault(f"{fqn}.base_layer.bias", []).append(
+                            state[b_name.removesuffix(".weight") + ".bias"] * scaling)
+            described = {f"{fqn}.{kind}.{adapter}." for fqn, layer in layers.items() for adapter in layer.lora_A
+                         for kind in ("lora_A", "lora_B")}
+            unknown = [n for n in state if ".lora_" in n and not any(n.startswith(d) for d in described)]
+            if unknown:
+                raise ValueError(f"--export-hf: adapter tensors {unknown[:4]} belong to no LoRA layer of the model the "
+                                 "merge reads the scalings from")
+            for name, t in state.items():
                 if ".lora_" in name:
                     continue
                 for delta in deltas.get(name, ()):  # in the adapters' order, as peft adds them in place
@@ -252,7 +267,9 @@ def export(cfg, model: nn.Module | list[nn.Module], out: Path, log=print) -> Non
     """``--export-hf DIR``: the trained model (a LoRA model merged) as ``from_pretrained`` loads it, and with
     ``--lora`` the adapters in PEFT's format under ``DIR/adapter``. ``model``: this rank's model or pipeline stages.
     Collective (every rank): the adapters go through a checkpoint (each rank saves what it holds, replicas once), which
-    rank 0 reads whole and writes once."""
+    rank 0 reads whole and writes once. Each adapter merges by its layer's scaling (pipeline stages: the layers of the
+    ``--lora`` PEFT model rebuilt on meta, the same on every rank); what the merge refuses (:func:`merge_problems`)
+    raises ValueError before any collective."""
     import shutil
 
     import torch.distributed as dist
@@ -264,7 +281,11 @@ def export(cfg, model: nn.Module | list[nn.Module], out: Path, log=print) -> Non
     if not has_adapters(held):
         models.export_run(cfg, model, out, log=log)
         return
-    models.export_run(cfg, _merged(held), out, log=log)
+    layers_of = None
+    if isinstance(model, list):  # pipeline stages: the scalings from the run's PEFT model, rebuilt on meta
+        with torch.device("meta"):
+            layers_of = wrap(models.create(cfg.model), cfg.lora)
+    models.export_run(cfg, _merged(held, layers_of), out, log=log)
     tmp = out / "export-adapter-ckpt"
     checkpoint.save(tmp, {"adapters": adapter_state(held)})
     if dist.get_rank() == 0:
