@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from vescale.core.errors import PlanError
 from vescale.core.testing.models import GPT, GPTConfig
@@ -99,6 +101,61 @@ def test_opaque_module_is_paired_by_shape():
     assert plan_from_trace(trace, ["tp"], {"tp": 32}).decisions  # 48 % 32 != 0: replicated, no error
     assert _roles(plan_from_trace(trace, ["tp"], {"tp": 32}))["model.layers.0.mlp.experts.down_proj"][1] \
         == "replicated"
+
+
+class _Scale(nn.Module):
+    """Not traceable on meta (``int()`` of a tensor) and no projection pair: a module to run whole on plain tensors."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        return x * self.weight * (int((x > 0).sum()) % 2 + 1)
+
+
+class _Experts(nn.Module):
+    """A projection pair in data-dependent code (runs on local shards) with a ``_Scale`` inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(32, 16))
+        self.w_out = nn.Parameter(torch.randn(16, 32))
+        self.norm = _Scale(16)
+
+    def forward(self, x):
+        h = self.norm(x.tanh())  # an input computed here: only the norm receives it
+        k = int((h > 0).sum()) % 2 + 1  # before the projections: the trace never sees them (paired by shape)
+        return F.linear(F.linear(h, self.w_in).relu(), self.w_out) * k
+
+
+class _NestedOpaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.moe = _Experts()
+        self.post = _Scale(16)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(self.post(h + self.moe(h)))
+
+
+def test_a_module_that_would_nest_local_runs_gets_no_whole_run_entries():
+    """An opaque module with every parameter replicated runs whole (a ``local`` entry, a full input, a replicated
+    output) unless it lies inside (or contains) another module run on local tensors: then it gets none of those
+    entries, not even the full input a whole run needs (which used to be left behind), and a note says why."""
+    trace = trace_model(_NestedOpaque())
+    assert {"moe", "moe.norm", "post"} <= set(trace.opaque), trace.opaque  # the premise: none of them traceable
+    plan = plan_from_trace(trace, ["tp"], {"tp": 2})
+    assert _roles(plan)["moe.w_in"][1] == "column" and _roles(plan)["moe.w_out"][1] == "row"
+    assert plan["local"] == {"moe": [[Partial()]], "post": [None]}, plan["local"]
+    assert plan["input"].get("post") == [[Replicate()]], plan["input"]  # the whole run gets its full input
+    assert not [k for sec in ("input", "output", "local") for k in plan[sec] if "norm" in k], plan
+    notes = [d.reason for d in plan.decisions if d.fqn == "moe.norm" and d.kind != "parameter"]
+    assert notes == ["all parameters replicated, but it nests with moe, which also runs on local tensors: keeps its "
+                     "DTensor run"], notes
 
 
 def test_trace_leaves_the_model_untouched_and_explain_lists_hand_plans():

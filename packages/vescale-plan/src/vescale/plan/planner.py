@@ -107,8 +107,9 @@ class Planner:
             self.plan_pair(row, cols)
         for mixer, op in mixers.items():
             self.whole_sequence(mixer, op)
+        local_runs = self.local_runs()
         for opaque in sorted(t.opaque):
-            self.plan_opaque(opaque)
+            self.plan_opaque(opaque, local_runs)
         for e in emb:
             if e.param not in self.params:
                 self.plan_embedding(e)
@@ -118,21 +119,13 @@ class Planner:
                     and self.params.get(e.param, (None, ""))[1] != "head":
                 self.plan_head(e)
         self.boundaries_root(out_taint)
-        self._keep_whole_runs_outside_local()
 
-    def _keep_whole_runs_outside_local(self) -> None:
-        """A module planned to run whole (:meth:`_run_whole_locally`) that contains, or lies inside, another ``local``
-        module would mix plain tensors and DTensors (the inner one wraps its results as DTensors in code that runs on
-        plain tensors, or runs on DTensors the outer one made plain): it keeps its DTensor run instead, and a
-        data-dependent read there is refused by name at run time."""
-        nested = {f for f in self.whole for other in self.local
-                  if other != f and (other.startswith(f + ".") or f.startswith(other + "."))}
-        for fqn in nested:
-            self.local.pop(fqn, None)
-            self.outputs.get(fqn, {}).pop(0, None)
-            if not self.outputs.get(fqn):
-                self.outputs.pop(fqn, None)
-        self.whole -= nested
+    def local_runs(self) -> set[str]:
+        """The modules that would run on local tensors, each opaque module planned on its own: every traced opaque
+        module but the root, on shards (a projection pair) or whole (:meth:`_run_whole_locally`). Read from the trace
+        alone, before any is planned, so that the run-whole decision sees every module it could nest with."""
+        called = {c.fqn for c in self.t.calls}
+        return {f for f in self.t.opaque if f and f in called}
 
     def column_layout(self, c: str, row: str):
         """``(placement, description)`` for column ``c`` from its layout evidence, or ``(None, why replicated)``."""
@@ -259,7 +252,9 @@ class Planner:
         if mod is not None:
             self.add(self.outputs, mod[0], mod[1], self.act(Shard(-1)), "logits stay vocab-sharded up to the root")
 
-    def plan_opaque(self, fqn: str) -> None:
+    def plan_opaque(self, fqn: str, local_runs: set[str]) -> None:
+        """Plan opaque module ``fqn``: its weights paired by shape and run on local shards, else (no unambiguous
+        pair) replicated and, unless it nests with another module of ``local_runs``, run whole."""
         why = self.t.opaque[fqn]
         prefix = f"{fqn}." if fqn else ""
         mine = [p for p in self.t.shapes if p.startswith(prefix) and p not in self.first]
@@ -276,7 +271,7 @@ class Planner:
             for p in mine:
                 self.set_param(p, Replicate(), "replicated", f"{note}: no unambiguous in/out projection pair"
                                if ok or not y else f"{note}: inner size {y} does not divide by {self.tp}={self.n}")
-            self._run_whole_locally(fqn)
+            self._run_whole_locally(fqn, local_runs)
             return
         for p in ins:
             shape = self.t.shapes[p]
@@ -303,12 +298,22 @@ class Planner:
         if 0 in call.args:
             self.column_input([fqn], call.args[0])
 
-    def _run_whole_locally(self, fqn: str) -> None:
+    def _run_whole_locally(self, fqn: str, local_runs: set[str]) -> None:
         """An opaque module with every parameter replicated runs whole on every rank as plain tensors (its input full,
         its result replicated): code DTensor cannot follow (data-dependent loops, a ``to_local()`` of its own weight
-        as Ergo's expert norm makes) then computes exactly one device's values; gradients stay replicated."""
+        as Ergo's expert norm makes) then computes exactly one device's values; gradients stay replicated.
+
+        Not when it contains, or lies inside, another module of ``local_runs``: that would mix plain tensors and
+        DTensors (the inner one wraps its results as DTensors in code that runs on plain tensors, or runs on DTensors
+        the outer one made plain; JetMoE). It keeps its DTensor run instead, with no entry of its own, and a
+        data-dependent read there is refused by name at run time."""
         call = next((c for c in self.t.calls if c.fqn == fqn), None)
         if not fqn or call is None:
+            return
+        nests = sorted(o for o in local_runs if o != fqn and (o.startswith(fqn + ".") or fqn.startswith(o + ".")))
+        if nests:
+            self.notes.append(Decision("local", fqn, "-", "boundary", f"all parameters replicated, but it nests with "
+                                       f"{nests[0]}, which also runs on local tensors: keeps its DTensor run"))
             return
         self.whole.add(fqn)
         for key in call.args:
