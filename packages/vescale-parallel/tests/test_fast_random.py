@@ -92,13 +92,6 @@ def test_random_mlp_takes_the_dtensor_path_and_matches_one_device():
     tokens, labels = torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
     mlp_cls = tf.models.llama.modeling_llama.LlamaMLP
 
-    # unchanged: every block, layer and the model run locally after the first (probed) training call
-    torch.manual_seed(0)
-    par = parallelize_module(_llama(), mesh, llama_plan(mesh))
-    _train(par, tokens, labels)
-    assert isinstance(par.forward, FastModel) and par.forward.local_calls == 1
-    assert par.forward.random.found == {True: (), False: None}
-
     def case(forward, *, child: bool = False):
         torch.manual_seed(0)
         ref = _llama()
@@ -151,3 +144,10 @@ def test_random_mlp_takes_the_dtensor_path_and_matches_one_device():
             par(input_ids=tokens, use_cache=False)
     finally:
         mlp_cls.forward = saved
+
+    # unchanged: the model (so every layer and block) runs locally after its first (probed) training call
+    torch.manual_seed(0)
+    par = parallelize_module(_llama(), mesh, llama_plan(mesh))
+    _train(par, tokens, labels)
+    assert isinstance(par.forward, FastModel) and par.forward.local_calls == 1
+    assert par.forward.random.found == {True: (), False: None}
