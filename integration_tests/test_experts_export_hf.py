@@ -1,6 +1,6 @@
 """An expert-parallel run exported to Hugging Face layout: ``tools/train.py --mesh dp=1,ep=2 --export-hf`` and
-``python -m vescale.checkpoint export-hf`` on its checkpoint write what ``from_pretrained`` loads, and it gives the
-logits of the same training on one device.
+``python -m vescale.checkpoint export-hf`` (its ``main``, in-process) on its checkpoint write what ``from_pretrained``
+loads, and it gives the logits of the same training on one device.
 
 The model is train.py's built-in ``mixtral`` (an unmodified Hugging Face Mixtral, small config), trained for two steps
 by train.py on ``dp=1,ep=2`` (experts ``Shard(0)`` over ep, the DDP path: dense gradients reduced over dp x ep) and,
@@ -12,7 +12,6 @@ logits against the one-device run's (fp32, the runs reduce in another order: 1e-
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -76,11 +75,12 @@ def test_ep_run_exports_what_from_pretrained_reads_with_one_device_logits(mixtra
     err = float((got - want).abs().max() / want.abs().max())
     assert err < 1e-5, err
 
-    # the CLI on the EP checkpoint, with the model's config.json: the same tensors as train.py's export
-    cli = subprocess.run([sys.executable, "-m", "vescale.checkpoint", "export-hf",
-                          str(tmp_path / "run" / "ckpt" / f"step_{STEPS}"), str(tmp_path / "cli"),
-                          "--config", str(mixtral_config_dir)], capture_output=True, text=True, timeout=300)
-    assert cli.returncode == 0, cli.stderr[-3000:]
+    # the CLI on the EP checkpoint, with the model's config.json: the same tensors as train.py's export. Called
+    # in-process (its main): test_train_hf_dir.py runs the same command as `python -m` in a fresh interpreter
+    from vescale.checkpoint.__main__ import main as checkpoint_cli
+
+    assert checkpoint_cli(["export-hf", str(tmp_path / "run" / "ckpt" / f"step_{STEPS}"), str(tmp_path / "cli"),
+                           "--config", str(mixtral_config_dir)]) == 0
     from_cli = _load(tmp_path / "cli")
     for name, t in exported.state_dict().items():
         assert torch.equal(from_cli.state_dict()[name], t), name
