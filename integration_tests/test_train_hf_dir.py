@@ -207,12 +207,16 @@ def test_fine_tune_exports_what_from_pretrained_reads(model_dir, tmp_path):
     assert summary["mfu"] is None and len(summary["peak_memory_mb_per_rank"]) == 4
 
 
-def test_cli_export_refuses_a_config_directory_without_config(tmp_path):
+def test_cli_export_refuses_a_config_directory_without_config(tmp_path, capsys):
+    """The CLI's main in-process (its ``python -m`` entry runs in a fresh interpreter above): a usage error, exit 2."""
+    from vescale.checkpoint.__main__ import main as checkpoint_cli
+
     empty = tmp_path / "empty"
     empty.mkdir()
-    cli = subprocess.run([sys.executable, "-m", "vescale.checkpoint", "export-hf", str(tmp_path / "ckpt"),
-                          str(tmp_path / "out"), "--config", str(empty)], capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 2 and "a directory without config.json" in cli.stderr, cli.stderr
+    with pytest.raises(SystemExit) as refused:
+        checkpoint_cli(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--config", str(empty)])
+    stderr = capsys.readouterr().err
+    assert refused.value.code == 2 and "a directory without config.json" in stderr, stderr
 
 
 @pytest.mark.parametrize("schedule, last, middle", [
