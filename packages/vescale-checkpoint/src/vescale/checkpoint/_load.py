@@ -15,14 +15,15 @@ A checkpoint is untrusted input, and a load that fails changes nothing: rank 0 c
 schema and the data files' sizes against the storage (:mod:`vescale.checkpoint._schema`) before anything is
 allocated from it; every rank then checks everything it will use (its checksum chunks, the decompression of its
 compressed shards, the values and the state's own constraints) before any target tensor, optimizer state or value is
-written, and the ranks agree on the outcome in one small collective on the checkpoint group (stage, then commit). On
-the local path contiguous parts are read straight into their targets and checked there, their previous bytes kept in
-an undo log (:mod:`vescale.checkpoint._undo`) that a failed load puts back, while the log's memory budget lasts;
-beyond it they are read to be checked, then read again from the page cache after the agreement; strided parts are
-checked on a mapping of their span and copied out of it after the agreement; the read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks first
-and reads again. Any failure raises on every rank, naming the file and the tensor, and leaves every rank's state
-bitwise as it was; errors other than corruption (a permission, a failing disk) are agreed on the same way, so no
-rank is left waiting in a collective.
+left written, and the ranks agree on the outcome in one small collective on the checkpoint group (stage, then
+commit). On the local path contiguous parts whose bytes are not in the page cache yet are read straight into their
+targets and checked there, their previous bytes kept in an undo log (:mod:`vescale.checkpoint._undo`) that a failed
+load puts back, while the log's memory budget lasts; other contiguous parts are read to be checked, then read again
+from the page cache after the agreement; strided parts are checked on a mapping of their span and copied out of it
+after the agreement; the read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every
+rank, else checks first and reads again. Any failure raises on every rank, naming the file and the tensor, and
+leaves every rank's state bitwise as it was; errors other than corruption (a permission, a failing disk) are agreed
+on the same way, so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -385,8 +386,9 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
     fails the load on every rank with every target as it was.
 
     First each rank checks its share of the chunks and decompresses its compressed shards. A raw shard whose parts
-    are all read straight into their targets is read into them in this pass, their previous bytes kept in ``undo``
-    while its budget lasts (in the order of the reads), and checked there; a shard with strided parts is checked on
+    are all read straight into their targets, and whose bytes are not in the page cache yet, is read into them in
+    this pass, their previous bytes kept in ``undo`` while its budget lasts (in the order of the reads), and checked
+    there; a shard with strided parts is checked on
     a mapping of its span where :func:`map_parts` gives one; the others are read into a buffer to be checked. The
     ranks then agree that all is intact: if not, ``undo`` puts the early-filled targets back and the load raises;
     if so, every other target is filled (copied out of the mapping, or read again from the page cache)."""
@@ -406,6 +408,7 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
     early = {id(rd) for rd in mine if rd.shard["codec"] == "raw"
              and all_read_straight(rd.shard, tensor_dtype(saved[rd.key]), parts(rd))
              and undo.admit([t for _, t in parts(rd)])}
+    filled: set[int] = set()  # by id of the read: filled in the check pass (not when its bytes were cached)
 
     def check(rd: _Read) -> None:
         chunks = rd.chunks if verify else []
@@ -414,10 +417,8 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
             if rd.shard["codec"] != "raw":
                 staged[id(rd)] = read_shard(storage, rd.shard, dtype, verify=chunks)
                 return
-            if id(rd) in early:
-                for _, target in parts(rd):
-                    undo.save(target)
-                read_straight_checked(storage, rd.shard, dtype, parts(rd), chunks)
+            if id(rd) in early and read_straight_checked(storage, rd.shard, dtype, parts(rd), chunks, undo.save):
+                filled.add(id(rd))
                 return
             m = map_parts(storage, rd.shard, dtype, parts(rd), chunks)
             if m is None:
@@ -432,7 +433,7 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
 
     def fill(rd: _Read) -> None:
         dtype = tensor_dtype(saved[rd.key])
-        if id(rd) in early:
+        if id(rd) in filled:
             return
         if id(rd) in mapped:
             mapped[id(rd)].fill(dtype, parts(rd))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -138,21 +139,29 @@ def all_read_straight(shard: dict[str, Any], dtype: torch.dtype,
 
 
 def read_straight_checked(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
-                          parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int]) -> None:
-    """Read each part of a raw shard (all of them :func:`all_read_straight`) straight into its target and check the
+                          parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int],
+                          keep: Callable[[torch.Tensor], None]) -> bool:
+    """Read each part of a raw shard (all of them :func:`all_read_straight`) straight into its target, after
+    ``keep(target)`` (the caller's copy of its bytes, to put back if this raises or any rank fails), and check the
     shard's checksum ``chunks``: each chunk lying inside a part's bytes on the target's memory, right after the
     piece (``_PIECE_BYTES``) holding it is read, so the crc32 runs on bytes in the CPU's cache and nothing is read
     twice; the chunks outside every part as :func:`check_chunks_read` does.
 
-    The targets are written before the checks end: the caller keeps a copy of them to put back if this raises or
-    any rank fails (:class:`vescale.checkpoint._undo.UndoLog`). Raises :class:`CorruptCheckpointError` naming the
-    file when it is missing, short, or a chunk fails its checksum.
+    Returns False, having read and kept nothing, when the first part's first byte is in the page cache already (a
+    warm load: reading twice from the cache copies each byte as often as keeping a copy does, and the copy's fresh
+    memory costs a page fault per 4 KiB); the caller then checks and fills in two passes. Raises
+    :class:`CorruptCheckpointError` naming the file when it is missing, short, or a chunk fails its checksum.
     """
     shape, size = shard["lengths"], dtype.itemsize
     spans = chunk_spans(shard)
     where = storage.where(shard["file"])
     left = sorted(chunks)
+    parts = [(offs, t) for offs, t in parts if t.numel()]
     with storage.reader(shard["file"]) as reader:
+        if reader.cached(shard["start"] + byte_span(parts[0][0], tuple(parts[0][1].shape), shape, size)[0]):
+            return False
+        for _, target in parts:
+            keep(target)
         for offs, target in parts:
             if not target.numel():
                 continue
@@ -172,6 +181,7 @@ def read_straight_checked(storage: Storage, shard: dict[str, Any], dtype: torch.
                     check_chunks(where, shard, _Shifted(mem, lo), ready)
     if left:
         check_chunks_read(storage, shard, left)
+    return True
 
 
 def _merged(ranges) -> list[tuple[int, int]]:
