@@ -20,7 +20,10 @@ many bytes as the state together, the best of 512 KiB / 1 MiB / 4 MiB blocks; it
 beside it). Every stored byte comes from the disk once whatever the row (ranks needing the same bytes share the page
 cache), so the floor is the stored bytes over the 4 streams' aggregate rate. ``cold_fraction_of_read_rate``: that
 floor over vescale's cold load (1.0: the load reads at the disk's rate); ``ratio_cold_vs_dcp``: DCP's cold load time
-over vescale's (above 1: vescale is faster). Medians; the slowest rank between barriers. ``crc32``: the module of
+over vescale's (above 1: vescale is faster). ``copy_floor_s``: the bytes every rank's targets hold together (4x
+the stored bytes when replicated) at the host's memory copy rate with the 4 ranks copying at once
+(``memory_copy_4x_GBps``, measured in the same run): the time the copies into the targets take even when nothing
+else runs, a second floor beside the disk's. Medians; the slowest rank between barriers. ``crc32``: the module of
 the checksum in use (``isal.isal_zlib`` with ``vescale-checkpoint[fast]``, else ``zlib``). Prints one JSON.
 """
 
@@ -110,16 +113,37 @@ def restart(args, root: str) -> dict:
             "death_to_first_step_s": round(mark["first_step_at"] - killed_at, 3)}
 
 
+def _copy_rate(nbytes: int = 256 << 20, repeat: int = 5) -> float:
+    """The host's memory copy rate with every rank copying at once (GB/s over all ranks): each rank copies
+    ``nbytes`` between two buffers it has touched already, ``repeat`` times between barriers; the best round."""
+    import torch
+    import torch.distributed as dist
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        best = min(best, took.item())
+    return dist.get_world_size() * nbytes / best / 1e9
+
+
 def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int) -> dict:
     """On 4 ranks: per layout, one save each side, then ``repeat`` cold loads of each (both evicted before each)."""
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from vescale import checkpoint
 
-    rows: dict = {}
+    rows: dict = {"_copy_GBps": _copy_rate()}
     for layout in layouts:
         state = ckpt_bench._matrix_state(layout, count, shape, for_dcp=False)
+        held = torch.tensor([sum(t.to_local().nbytes for t in state.values())], dtype=torch.float64)
+        dist.all_reduce(held)
         dstate = state if layout not in ckpt_bench.DCP_STAND_IN else \
             ckpt_bench._matrix_state(layout, count, shape, for_dcp=True)
         v_path, d_path = f"{root}/v-{layout}", f"{root}/d-{layout}"
@@ -133,6 +157,7 @@ def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int]
                                               "dcp_cold_load": partial(dcp.load, dstate, checkpoint_id=d_path)},
                                     (v_path, d_path))
         rows[layout] = {k: statistics.median(v) for k, v in samples.items()}
+        rows[layout]["target_bytes"] = int(held.item())
         if dist.get_rank() == 0:
             rows[layout]["vescale_bytes"] = ckpt_bench._bytes(v_path)
             rows[layout]["dcp_bytes"] = ckpt_bench._bytes(d_path)
@@ -161,7 +186,8 @@ def cold(args, root: str) -> dict:
     out = {"state_MB": round(count * shape[0] * shape[1] * 4 / 2**20, 1), "repeat": args.repeat,
            "crc32": crc32.__module__, "load_average_before": load_before,
            "eviction": "posix_fadvise(POSIX_FADV_DONTNEED) on every checkpoint file before each load",
-           "disk_read_buffered_4x_GBps": rate, "disk_read_direct_4x_GBps": dd.get("dd_read_4x_GBps"), "rows": {}}
+           "disk_read_buffered_4x_GBps": rate, "disk_read_direct_4x_GBps": dd.get("dd_read_4x_GBps"),
+           "memory_copy_4x_GBps": round(rows["_copy_GBps"], 2), "rows": {}}
     for layout in layouts:
         r = rows[layout]
         row = {"vescale_cold_load_s": round(r["vescale_cold_load_s"], 4),
@@ -171,6 +197,8 @@ def cold(args, root: str) -> dict:
             floor = r["vescale_bytes"] / 1e9 / rate
             row["floor_cold_load_s"] = round(floor, 4)
             row["cold_fraction_of_read_rate"] = round(floor / r["vescale_cold_load_s"], 3)
+        # every rank's targets written once at the host's copy rate: a second bound, beside the disk's
+        row["copy_floor_s"] = round(r["target_bytes"] / 1e9 / rows["_copy_GBps"], 4)
         if layout in ckpt_bench.DCP_STAND_IN:
             row["dcp_layout"] = ckpt_bench.DCP_STAND_IN[layout]
         out["rows"][layout] = row
