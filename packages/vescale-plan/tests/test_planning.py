@@ -139,20 +139,22 @@ class _NestedOpaque(nn.Module):
 
     def forward(self, ids):
         h = self.embed(ids)
-        return self.head(self.post(h + self.moe(h)))
+        return self.head(self.post(h + self.moe(x=h)))  # by keyword, as JetMoE calls its attention
 
 
 def test_a_module_that_would_nest_local_runs_gets_no_whole_run_entries():
     """An opaque module with every parameter replicated runs whole (a ``local`` entry, a full input, a replicated
     output) unless it lies inside (or contains) another module run on local tensors: then it gets none of those
-    entries, not even the full input a whole run needs (which used to be left behind), and a note says why."""
+    entries, not even the full input a whole run needs (which used to be left behind), and a note says why. A module
+    run on local shards gets its input full when called by keyword too (it was only for a positional argument)."""
     trace = trace_model(_NestedOpaque())
     assert {"moe", "moe.norm", "post"} <= set(trace.opaque), trace.opaque  # the premise: none of them traceable
     plan = plan_from_trace(trace, ["tp"], {"tp": 2})
     assert _roles(plan)["moe.w_in"][1] == "column" and _roles(plan)["moe.w_out"][1] == "row"
-    assert plan["local"] == {"moe": [[Partial()]], "post": [None]}, plan["local"]
+    assert plan["local"] == {"moe": {"x": [Partial()]}, "post": [None]}, plan["local"]
     assert plan["input"].get("post") == [[Replicate()]], plan["input"]  # the whole run gets its full input
     assert not [k for sec in ("input", "output", "local") for k in plan[sec] if "norm" in k], plan
+    assert plan["input"].get("moe") == {"x": [Replicate()]}, plan["input"]
     notes = [d.reason for d in plan.decisions if d.fqn == "moe.norm" and d.kind != "parameter"]
     assert notes == ["all parameters replicated, but it nests with moe, which also runs on local tensors: keeps its "
                      "DTensor run"], notes

@@ -295,8 +295,7 @@ class Planner:
                      "data-dependent code: runs on local shards; float inputs get partial-sum gradients")
         self.add(self.outputs, fqn, 0, partial, "its local result is a partial sum (row-parallel)")
         self.stream_output(fqn, f"reduce opaque {fqn}'s partial sums into the residual stream")
-        if 0 in call.args:
-            self.column_input([fqn], call.args[0])
+        self._full_main_input(fqn, call)
 
     def _run_whole_locally(self, fqn: str, local_runs: set[str]) -> None:
         """An opaque module with every parameter replicated runs whole on every rank as plain tensors (its input full,
@@ -320,8 +319,15 @@ class Planner:
             self.add(self.local, fqn, key, None, "data-dependent code, all parameters replicated: runs whole on "
                      "plain tensors")
         self.add(self.outputs, fqn, 0, self.act(Replicate()), "its local result is the whole result")
-        if 0 in call.args:
-            self.column_input([fqn], call.args[0])
+        self._full_main_input(fqn, call)
+
+    def _full_main_input(self, fqn: str, call) -> None:
+        """A module run on local tensors gets its main input full (all-gathered under sequence parallelism: its code
+        sees the whole sequence): the positional argument 0, else its first floating-point argument (a module called
+        by keyword, as JetMoE's attention is)."""
+        key = 0 if 0 in call.args else next((k for k in call.args if k in call.float_args), None)
+        if key is not None:
+            self.column_input([fqn], call.args[key])
 
     def sequence_mixers(self, stream_shape) -> dict[str, str]:
         """``{module fqn: op}``: for each module whose own code mixes along the sequence outside attention (a
