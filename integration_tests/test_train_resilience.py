@@ -257,27 +257,44 @@ def test_save_failing_on_one_rank_goes_on_with_continue_and_a_slow_rank_is_named
     assert all(r["step_s"]["p50"] <= r["step_s"]["p90"] <= r["step_s"]["max"] for r in summary["ranks"])
 
 
-def test_kill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path):
-    """SIGKILL to the whole job while every rank's async save of ``step_4`` is writing (``save_stall=4``: the data
+def _sigkill_when_written(step_dir: Path, pids: list[int], stop) -> None:
+    """SIGKILL every process of ``pids`` once a data file of ``step_dir`` exists (or give up when ``stop`` is set)."""
+    while not stop.is_set():
+        if any(step_dir.glob("data-*.safetensors")):
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)
+
+
+def test_kill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path, monkeypatch):
+    """SIGKILL to every rank of the job while its async save of ``step_4`` is writing (``save_stall=4``: the data
     files are written, the save then blocks): ``--resume auto`` skips the uncommitted ``step_4``, naming it, and the
-    resumed run loads ``step_2`` and finishes."""
+    resumed run loads ``step_2`` and finishes.
+
+    The job is ``train.main`` on the warm pool (``spawn_on_pool``); a thread kills both pooled ranks (the pool is
+    rebuilt from the fork server for the resume). What is left on disk is what a killed job leaves: the ranks' save
+    threads die with them."""
+    import threading
+
     from faults import ENV_VAR
 
     out = tmp_path / "run"
-    job = subprocess.Popen([sys.executable, str(ROOT / "tools" / "train.py"), *COMMON, "--steps", "8",
-                            "--ckpt-every", "2", "--quiet", "--out", str(out)], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                           env={**os.environ, ENV_VAR: "save_stall=4"})
+    # the pool first: a fork server started now would pass the fault on to every later pooled rank; the job's ranks
+    # take it from this process's environment (spawn_on_pool)
+    job_ranks = run_on_ranks(os.getpid, 2)
+    monkeypatch.setenv(ENV_VAR, "save_stall=4")
+    stop = threading.Event()
+    killer = threading.Thread(target=_sigkill_when_written, args=(out / "ckpt" / "step_4", job_ranks, stop),
+                              daemon=True)
+    killer.start()
     try:
-        deadline = time.monotonic() + 600
-        while not any((out / "ckpt" / "step_4").glob("data-*.safetensors")):
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
-            time.sleep(0.02)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(timeout=60)
+        with spawn_on_pool(), pytest.raises(RankError, match="died"):
+            train.main([*COMMON, "--steps", "8", "--ckpt-every", "2", "--quiet", "--out", str(out)])
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        stop.set()
+        killer.join()
+    monkeypatch.delenv(ENV_VAR)
     assert not (out / "ckpt" / "step_4" / "metadata.json").exists()
     said = []
     auto = config.parse_args([*COMMON, "--steps", "8", "--ckpt-every", "2", "--quiet", "--resume", "auto",
