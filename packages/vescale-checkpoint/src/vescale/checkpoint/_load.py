@@ -15,15 +15,13 @@ A checkpoint is untrusted input, and a load that fails changes nothing: rank 0 c
 schema and the data files' sizes against the storage (:mod:`vescale.checkpoint._schema`) before anything is
 allocated from it; every rank then checks everything it will use (its checksum chunks, the decompression of its
 compressed shards, the values and the state's own constraints) before any target tensor, optimizer state or value is
-left written, and the ranks agree on the outcome in one small collective on the checkpoint group (stage, then
-commit). On the local path contiguous parts whose bytes are not in the page cache yet are read straight into their
-targets and checked there, their previous bytes kept in an undo log (:mod:`vescale.checkpoint._undo`) that a failed
-load puts back, while the log's memory budget lasts; other contiguous parts are read to be checked, then read again
-from the page cache after the agreement; strided parts are checked on a mapping of their span and copied out of it
-after the agreement; the read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every
-rank, else checks first and reads again. Any failure raises on every rank, naming the file and the tensor, and
-leaves every rank's state bitwise as it was; errors other than corruption (a permission, a failing disk) are agreed
-on the same way, so no rank is left waiting in a collective.
+written, and the ranks agree on the outcome in one small collective on the checkpoint group (stage, then commit). On
+the local path contiguous parts are read to be checked, then read again straight into their targets from the page
+cache, and strided parts are checked on a mapping of their span and copied out of it after the agreement; the
+read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks first
+and reads again. Any failure raises on every rank, naming the file and the tensor, and leaves every rank's state
+bitwise as it was; errors other than corruption (a permission, a failing disk) are agreed on the same way, so no
+rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -46,12 +44,10 @@ from vescale.checkpoint._gc import collector_paused
 from vescale.checkpoint._layout import intersect, relative
 from vescale.checkpoint._local_read import (
     MappedShard,
-    all_read_straight,
     byte_span,
     check_chunks_read,
     map_parts,
     read_parts,
-    read_straight_checked,
     release_buffer,
 )
 from vescale.checkpoint._reader import chunk_spans, read_metadata, read_shard, shard_nbytes, tensor_dtype
@@ -60,7 +56,6 @@ from vescale.checkpoint._save_plan import describe
 from vescale.checkpoint._schema import check_file_sizes
 from vescale.checkpoint._state import flatten
 from vescale.checkpoint._storage import Storage
-from vescale.checkpoint._undo import UndoLog, undo_budget
 from vescale.checkpoint.errors import CheckpointError, StateMismatchError
 from vescale.checkpoint.format import dtype_name
 
@@ -285,10 +280,8 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     ``strict=False`` those keys are skipped (dtypes cast) and reported in the returned :class:`LoadResult`.
     Damaged, truncated or malformed data raises :class:`CorruptCheckpointError` naming the file, the field or the
     tensor (checksums are checked unless ``verify=False``; the metadata's schema always). A load that fails on
-    any rank raises on every rank and leaves every rank's state bitwise as it was: a target is either written only
-    after every rank has checked what it will use, or (local files, while the undo log's memory budget lasts:
-    half the host's available memory over its ranks) read into early with a copy of its previous bytes kept and put
-    back if the load fails.
+    any rank raises on every rank and leaves every rank's state as it was: nothing is written before every rank
+    has checked what it will use.
 
     ``threads``: I/O threads per rank (default: the host's CPUs divided among its ranks, 1 to 8).
     ``dedup_reads``: each stored shard is read by one rank and sent to the others needing it (True), or read by
@@ -332,8 +325,7 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     workers = io_threads(threads, comm)
     with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:  # one: this thread
         if storage.local and not dedup_reads:
-            here = sum(req["host"] == requests[comm.rank]["host"] for req in requests)
-            _read_local(reads, comm, storage, pieces, saved, verify, pool, UndoLog(undo_budget(here)))
+            _read_local(reads, comm, storage, pieces, saved, verify, pool)
         else:
             _read_once(reads, comm, storage, pieces, saved, verify, pool)
     for key, t in replaced.items():
@@ -381,17 +373,12 @@ class _Failed(Exception):
 
 
 def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
-                pool: ThreadPoolExecutor | None, undo: UndoLog) -> None:
-    """Every rank reads its own parts of the shards it needs from local files; a damaged shard found by any rank
-    fails the load on every rank with every target as it was.
-
-    First each rank checks its share of the chunks and decompresses its compressed shards. A raw shard whose parts
-    are all read straight into their targets, and whose bytes are not in the page cache yet, is read into them in
-    this pass, their previous bytes kept in ``undo`` while its budget lasts (in the order of the reads), and checked
-    there; a shard with strided parts is checked on
-    a mapping of its span where :func:`map_parts` gives one; the others are read into a buffer to be checked. The
-    ranks then agree that all is intact: if not, ``undo`` puts the early-filled targets back and the load raises;
-    if so, every other target is filled (copied out of the mapping, or read again from the page cache)."""
+                pool: ThreadPoolExecutor | None) -> None:
+    """Every rank reads its own parts of the shards it needs from local files. First each checks its share of the
+    chunks (on a mapping of the span where :func:`map_parts` gives one, else read into a buffer) and decompresses
+    its compressed shards, the ranks agree that all are intact, and only then does each fill its targets (copied
+    out of the mapping, or read again from the page cache): a damaged shard found by any rank fails the load on
+    every rank with every target unchanged."""
     # in file order, so that the check pass reads each file front to back
     mine = sorted((rd for rd in reads if rd.reader == comm.rank), key=lambda rd: (rd.shard["file"], rd.shard["start"]))
     staged: dict[int, torch.Tensor] = {}  # by id of the read: a decompressed shard
@@ -405,20 +392,12 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
             out.append((tuple(o - so for o, so in zip(inter[0], origin)), piece.view[relative(inter, piece.offsets)]))
         return out
 
-    early = {id(rd) for rd in mine if rd.shard["codec"] == "raw"
-             and all_read_straight(rd.shard, tensor_dtype(saved[rd.key]), parts(rd))
-             and undo.admit([t for _, t in parts(rd)])}
-    filled: set[int] = set()  # by id of the read: filled in the check pass (not when its bytes were cached)
-
     def check(rd: _Read) -> None:
         chunks = rd.chunks if verify else []
         dtype = tensor_dtype(saved[rd.key])
         try:
             if rd.shard["codec"] != "raw":
                 staged[id(rd)] = read_shard(storage, rd.shard, dtype, verify=chunks)
-                return
-            if id(rd) in early and read_straight_checked(storage, rd.shard, dtype, parts(rd), chunks, undo.save):
-                filled.add(id(rd))
                 return
             m = map_parts(storage, rd.shard, dtype, parts(rd), chunks)
             if m is None:
@@ -433,8 +412,6 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
 
     def fill(rd: _Read) -> None:
         dtype = tensor_dtype(saved[rd.key])
-        if id(rd) in filled:
-            return
         if id(rd) in mapped:
             mapped[id(rd)].fill(dtype, parts(rd))
         elif rd.shard["codec"] == "raw":
@@ -449,12 +426,7 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
             failures = _run_all(check, mine, pool)
         finally:
             release_buffer()
-        try:
-            _agree(comm, str(failures[0]) if failures else None)
-        except BaseException:
-            undo.restore()
-            raise
-        undo.drop()
+        _agree(comm, str(failures[0]) if failures else None)
         failures = _run_all(fill, mine, pool)
         if failures:
             raise failures[0]

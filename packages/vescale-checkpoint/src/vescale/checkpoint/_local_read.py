@@ -1,9 +1,4 @@
-"""Reading one rank's parts of one stored shard from a local file, in one pass or two around the ranks' agreement.
-
-**Early** (:func:`read_straight_checked`), for shards whose parts are all contiguous byte ranges into contiguous CPU
-targets of the stored dtype, when the caller keeps copies of the targets to put back (the load's undo log): each
-part is read straight into its target a piece at a time and the checksum chunks inside it are checked on the
-target's memory right after; one read and one copy per byte, overlapped with the disk's reads of the other ranks.
+"""Reading one rank's parts of one stored shard from a local file, in two passes around the ranks' agreement.
 
 **Read** (:func:`check_chunks_read`, then :func:`read_parts`). The checksum chunks this rank checks are read into a
 reused buffer of this thread, ``_CHECK_BYTES`` at a time (one 1 MiB chunk, so the crc32 runs on bytes in the CPU's
@@ -35,7 +30,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -45,8 +39,7 @@ from vescale.checkpoint._reader import check_chunks, chunk_spans, shard_nbytes
 from vescale.checkpoint._storage import FileReader, Storage
 from vescale.checkpoint.errors import CorruptCheckpointError
 
-__all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read", "MappedShard", "map_parts",
-           "all_read_straight", "read_straight_checked"]
+__all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read", "MappedShard", "map_parts"]
 
 _bounce = threading.local()
 # bytes read at a time to check chunks (whole chunks, at least one). 1 MiB (in the cache for the crc32) against
@@ -129,59 +122,6 @@ def _copy_parts(reader: FileReader, shard: dict[str, Any], dtype: torch.dtype,
                     box = (slice(a - r0, b - r0),) + tuple(slice(o, o + n)
                                                            for o, n in zip(offs[1:], target.shape[1:]))
                     target[a - offs[0]:b - offs[0]].copy_(rows[box])
-
-
-def all_read_straight(shard: dict[str, Any], dtype: torch.dtype,
-                      parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> bool:
-    """Whether every part of a raw shard with items is read straight into its target (see :func:`read_parts`)."""
-    parts = [(offs, t) for offs, t in parts if t.numel()]
-    return bool(parts) and all(_reads_straight(offs, t, shard["lengths"], dtype) for offs, t in parts)
-
-
-def read_straight_checked(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
-                          parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int],
-                          keep: Callable[[torch.Tensor], None]) -> bool:
-    """Read each part of a raw shard (all of them :func:`all_read_straight`) straight into its target, after
-    ``keep(target)`` (the caller's copy of its bytes, to put back if this raises or any rank fails), and check the
-    shard's checksum ``chunks``: each chunk lying inside a part's bytes on the target's memory, right after the
-    piece (``_PIECE_BYTES``) holding it is read, so the crc32 runs on bytes in the CPU's cache and nothing is read
-    twice; the chunks outside every part as :func:`check_chunks_read` does.
-
-    Returns False, having read and kept nothing, when the first part's first byte is in the page cache already (a
-    warm load: reading twice from the cache copies each byte as often as keeping a copy does, and the copy's fresh
-    memory costs a page fault per 4 KiB); the caller then checks and fills in two passes. Raises
-    :class:`CorruptCheckpointError` naming the file when it is missing, short, or a chunk fails its checksum.
-    """
-    shape, size = shard["lengths"], dtype.itemsize
-    spans = chunk_spans(shard)
-    where = storage.where(shard["file"])
-    left = sorted(chunks)
-    parts = [(offs, t) for offs, t in parts if t.numel()]
-    with storage.reader(shard["file"]) as reader:
-        if reader.cached(shard["start"] + byte_span(parts[0][0], tuple(parts[0][1].shape), shape, size)[0]):
-            return False
-        for _, target in parts:
-            keep(target)
-        for offs, target in parts:
-            if not target.numel():
-                continue
-            lo, hi = byte_span(offs, tuple(target.shape), shape, size)
-            mem = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
-            inside = [i for i in left if lo <= spans[i][0] and spans[i][1] <= hi]
-            left = [i for i in left if not (lo <= spans[i][0] and spans[i][1] <= hi)]
-            k = 0
-            for a in range(lo, hi, _PIECE_BYTES):
-                b = min(a + _PIECE_BYTES, hi)
-                reader.read_into(shard["start"] + a, mem[a - lo:b - lo])
-                ready = []
-                while k < len(inside) and spans[inside[k]][1] <= b:
-                    ready.append(inside[k])
-                    k += 1
-                if ready:
-                    check_chunks(where, shard, _Shifted(mem, lo), ready)
-    if left:
-        check_chunks_read(storage, shard, left)
-    return True
 
 
 def _merged(ranges) -> list[tuple[int, int]]:

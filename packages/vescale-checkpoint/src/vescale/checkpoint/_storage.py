@@ -240,17 +240,6 @@ class FileReader:
                 raise CorruptCheckpointError(f"checkpoint data file {where} is missing") from None
         return self._fd
 
-    def cached(self, start: int) -> bool:
-        """Whether the byte at ``start`` of a local file is in the page cache (a one-byte ``RWF_NOWAIT`` read, which
-        does no I/O); False where that cannot be told (a remote file, no ``RWF_NOWAIT``), or the file is missing."""
-        flag = getattr(os, "RWF_NOWAIT", None)
-        if not self.storage.local or flag is None:
-            return False
-        try:
-            return os.preadv(self._open(), [bytearray(1)], start, flag) == 1
-        except (OSError, CorruptCheckpointError):  # EAGAIN: not cached; anything else is raised by the real read
-            return False
-
     def read_into(self, start: int, out: memoryview) -> None:
         """Fill ``out`` with the file's bytes from ``start``; a missing or short file raises
         :class:`CorruptCheckpointError` naming it."""
