@@ -9,8 +9,10 @@ otherwise it is not installed. At run time
 (:class:`RandomGuard`): the first call in training mode and the first in eval mode that would run locally take the
 DTensor path instead (vescale's counter RNG draws there, or ``UndrawnRandomError`` refuses), under a dispatch mode
 that records every op drawing random numbers (torch's ``nondeterministic_seeded`` tag; attention and RNN kernels only
-with a nonzero dropout); calls in that mode then run locally only if it recorded none. Each later call costs one dict
-lookup. Dropout probabilities in config fields are read per call as before (:func:`~.structure.dropout_active`).
+with a nonzero dropout); calls in that mode then run locally only if it recorded none, from the first call
+outside a backward pass (an activation-checkpointing recomputation of the probed call takes the probe's path).
+Each later call costs one dict lookup. Dropout probabilities in config fields are read per call as before
+(:func:`~.structure.dropout_active`).
 """
 
 from __future__ import annotations
@@ -92,14 +94,25 @@ class RandomGuard:
     first call in that mode was probed, else the sorted names of the random ops its forward dispatched there
     (``()``: none, the fast path may run)."""
 
-    __slots__ = ("found",)
+    __slots__ = ("found", "_settled")
 
     def __init__(self) -> None:
         self.found: dict[bool, tuple[str, ...] | None] = {True: None, False: None}
+        self._settled = {True: False, False: False}
 
     def clean(self, module: nn.Module) -> bool:
-        """Whether a call of ``module`` in its current mode may run locally: that mode was probed and drew nothing."""
-        return self.found[module.training] == ()
+        """Whether a call of ``module`` in its current mode may run locally: that mode was probed and drew nothing,
+        and a call outside a backward pass has come since. Until then a call inside a backward pass is the
+        activation-checkpointing recomputation of the probed call, which must take the probe's (DTensor) path to
+        recompute the same tensors."""
+        training = module.training
+        if self.found[training] != ():
+            return False
+        if not self._settled[training]:
+            if torch_internals.torch_graph_task_id() >= 0:
+                return False
+            self._settled[training] = True
+        return True
 
     def dtensor_path(self, module: nn.Module, orig: Callable, args: tuple, kwargs: dict) -> Any:
         """``orig(*args, **kwargs)`` on the DTensor path; the first call in ``module``'s mode is probed."""
