@@ -164,7 +164,9 @@ def train(cfg: TrainConfig, watch=None) -> dict:
         progress = {"step": 0, "sequences": 0, "data": ""}
         if any(k.startswith("progress") and k.endswith("skipped") for k in checkpoint.inspect(cfg.resume)["values"]):
             progress["skipped"] = 0  # the run's bad steps so far (checkpoints written before it was kept lack it)
-        checkpoint.load(cfg.resume, {**trainer.state, "progress": progress})
+        # into the state just built, which holds nothing to keep: checked in one pass, not checked, agreed, then
+        # copied again (a failed load still raises on every rank, naming the file)
+        checkpoint.load(cfg.resume, {**trainer.state, "progress": progress}, atomic=False)
         startup["loaded_at"] = time.time()
         start = int(progress["step"])
         offset, note = resume_offset(progress, corpus, cfg.batch_size)

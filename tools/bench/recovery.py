@@ -131,8 +131,32 @@ def _copy_rate(nbytes: int = 256 << 20, repeat: int = 5) -> float:
     return dist.get_world_size() * nbytes / best / 1e9
 
 
+def _dd_files(root: str, nbytes: int) -> list[str]:
+    """On rank 0: 4 files holding ``nbytes`` together (written once with ``O_DIRECT``, read once untimed, so that
+    every timed read meets the disk as the checkpoints' reads do), for :func:`_dd_sample`."""
+    files = [os.path.join(root, f"paired-dd{i}.tmp") for i in range(4)]
+    count = max(1, nbytes // 4 // 2**20)
+    for f in files:
+        subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={count}", "oflag=direct",
+                        "conv=fdatasync"], check=True, stderr=subprocess.DEVNULL)
+    _dd_sample(files)
+    return files
+
+
+def _dd_sample(files: list[str]) -> float:
+    """Seconds 4 concurrent ``dd bs=1M`` streams take to read ``files`` through the page cache, evicted first."""
+    ckpt_bench._evict_files(files)
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["dd", f"if={f}", "of=/dev/null", "bs=1M"], stderr=subprocess.DEVNULL) for f in files]
+    if any(p.wait() for p in procs):
+        raise SystemExit("recovery bench: dd failed")
+    return time.perf_counter() - t0
+
+
 def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int) -> dict:
-    """On 4 ranks: per layout, one save each side, then ``repeat`` cold loads of each (both evicted before each)."""
+    """On 4 ranks: per layout, one save each side, then ``repeat`` rounds of cold loads, every one after evicting
+    both checkpoints: vescale's atomic load, its one-pass load (``atomic=False``), DCP's, and one paired dd read
+    of as many bytes (rank 0, the others waiting)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -140,6 +164,8 @@ def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int]
     from vescale import checkpoint
 
     rows: dict = {"_copy_GBps": _copy_rate()}
+    rank = dist.get_rank()
+    dd_files = _dd_files(root, count * shape[0] * shape[1] * 4) if rank == 0 else []
     for layout in layouts:
         state = ckpt_bench._matrix_state(layout, count, shape, for_dcp=False)
         held = torch.tensor([sum(t.to_local().nbytes for t in state.values())], dtype=torch.float64)
@@ -150,21 +176,31 @@ def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int]
         checkpoint.save(v_path, state)
         dcp.save(dstate, checkpoint_id=d_path)
         checkpoint.load(v_path, state)  # first calls (imports, plans), untimed
+        checkpoint.load(v_path, state, atomic=False)
         dcp.load(dstate, checkpoint_id=d_path)
         samples: dict[str, list[float]] = {}
         for _ in range(repeat):
-            ckpt_bench._sample_cold(samples, {"vescale_cold_load": partial(checkpoint.load, v_path, state),
-                                              "dcp_cold_load": partial(dcp.load, dstate, checkpoint_id=d_path)},
-                                    (v_path, d_path))
+            ckpt_bench._sample_cold(samples, {
+                "vescale_cold_load": partial(checkpoint.load, v_path, state),
+                "vescale_one_pass_cold_load": partial(checkpoint.load, v_path, state, atomic=False),
+                "dcp_cold_load": partial(dcp.load, dstate, checkpoint_id=d_path)}, (v_path, d_path))
+            dist.barrier()
+            took = torch.tensor([_dd_sample(dd_files) if rank == 0 else 0.0], dtype=torch.float64)
+            dist.broadcast(took, 0)
+            samples.setdefault("dd_s", []).append(took.item())
         rows[layout] = {k: statistics.median(v) for k, v in samples.items()}
         rows[layout]["target_bytes"] = int(held.item())
-        if dist.get_rank() == 0:
+        if rank == 0:
             rows[layout]["vescale_bytes"] = ckpt_bench._bytes(v_path)
             rows[layout]["dcp_bytes"] = ckpt_bench._bytes(d_path)
             shutil.rmtree(v_path, ignore_errors=True)
             shutil.rmtree(d_path, ignore_errors=True)
         dist.barrier()
         state = dstate = None
+    if rank == 0:
+        rows["_dd_bytes"] = sum(os.path.getsize(f) for f in dd_files)
+        for f in dd_files:
+            os.remove(f)
     return rows
 
 
@@ -190,13 +226,22 @@ def cold(args, root: str) -> dict:
            "memory_copy_4x_GBps": round(rows["_copy_GBps"], 2), "rows": {}}
     for layout in layouts:
         r = rows[layout]
+        one = r["vescale_one_pass_cold_load_s"]
         row = {"vescale_cold_load_s": round(r["vescale_cold_load_s"], 4),
+               "vescale_one_pass_cold_load_s": round(one, 4),
                "dcp_cold_load_s": round(r["dcp_cold_load_s"], 4),
-               "ratio_cold_vs_dcp": round(r["dcp_cold_load_s"] / r["vescale_cold_load_s"], 2)}
+               "ratio_cold_vs_dcp": round(r["dcp_cold_load_s"] / r["vescale_cold_load_s"], 2),
+               "ratio_one_pass_vs_dcp": round(r["dcp_cold_load_s"] / one, 2)}
         if rate:
             floor = r["vescale_bytes"] / 1e9 / rate
             row["floor_cold_load_s"] = round(floor, 4)
             row["cold_fraction_of_read_rate"] = round(floor / r["vescale_cold_load_s"], 3)
+            row["one_pass_fraction_of_read_rate"] = round(floor / one, 3)
+        # the same bytes by dd in the same rounds (median): the read rate while this row's loads ran
+        paired = r["vescale_bytes"] / (rows["_dd_bytes"] / r["dd_s"])
+        row["paired_dd_s"] = round(r["dd_s"], 4)
+        row["cold_fraction_of_paired_read_rate"] = round(paired / r["vescale_cold_load_s"], 3)
+        row["one_pass_fraction_of_paired_read_rate"] = round(paired / one, 3)
         # every rank's targets written once at the host's copy rate: a second bound, beside the disk's
         row["copy_floor_s"] = round(r["target_bytes"] / 1e9 / rows["_copy_GBps"], 4)
         if layout in ckpt_bench.DCP_STAND_IN:

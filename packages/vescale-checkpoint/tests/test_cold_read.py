@@ -91,3 +91,7 @@ def test_a_local_load_in_runs_fills_bitwise_and_fails_whole(tmp_path, monkeypatc
     with pytest.raises(CorruptCheckpointError, match="is damaged: checksum mismatch"):
         checkpoint.load(path, state)
     assert all(not state[k].any() for k in ref)  # nothing written
+    # in one pass (atomic=False) the same damage is found, on the bytes just read into the target
+    with pytest.raises(CorruptCheckpointError, match="is damaged: checksum mismatch"):
+        checkpoint.load(path, state, atomic=False)
+    assert state["a"].any()  # written before the last chunk was checked: not atomic

@@ -1,6 +1,7 @@
 """A load that fails changes nothing: a damaged shard that only rank 1 reads, or a read error on rank 1 alone,
 makes every rank raise (naming the file and the tensor) with every rank's model, optimizer and values bitwise as
-they were; the repaired checkpoint then loads the saved values exactly. Also: a save whose directory cannot be
+they were; the repaired checkpoint then loads the saved values exactly. A one-pass load (``atomic=False``) of the
+damaged checkpoint also raises on every rank, and sets no value. Also: a save whose directory cannot be
 created on one rank fails on every rank instead of leaving the others waiting."""
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ def test_a_failed_load_changes_nothing_on_any_rank(tmp_path):
             with pytest.raises(CorruptCheckpointError, match=rf"{shard['file']}.*tensor 'model.weight'"):
                 checkpoint.load(path, state, dedup_reads=dedup)
             assert _same(_snapshot(state), current), (rank, compress, dedup)
+        for dedup in (False, True):  # in one pass: raised on every rank too, no value or hyperparameter set
+            with pytest.raises(CorruptCheckpointError, match=rf"{shard['file']}.*tensor 'model.weight'"):
+                checkpoint.load(path, state, dedup_reads=dedup, atomic=False)
+            after = _snapshot(state)
+            assert [after[k] for k in ("lr", "step", "extra")] == [current[k] for k in ("lr", "step", "extra")]
+        state = _build(seed=1)  # tensors may hold some loaded bytes now: the job's state again
+        state["optim"].param_groups[0]["lr"] = 0.5
         dist.barrier()
         if rank == 0:
             with open(file, "r+b") as f:

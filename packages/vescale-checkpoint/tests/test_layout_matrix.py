@@ -6,8 +6,10 @@ The reference is the global tensors built in one process from a seed; each rank'
 torch's ``distribute_tensor`` slices out of it (no checkpoint code involved). Dtypes of item sizes 1, 2, 4 and 8
 (bool, bfloat16, float32, int64) cover every copy the local read paths make, and a small checksum chunk gives every
 shard several chunks. The resharded loads on 4 ranks also run with the mapped path off (``VESCALE_CHECKPOINT_MMAP=0``:
-strided parts streamed a few rows at a time). vescale's own layouts (``InterleavedShard``,
-``RaggedShard``) are in ``integration_tests/test_checkpoint_layout_matrix.py``.
+strided parts streamed a few rows at a time), and every load also runs in one pass (``atomic=False``: each chunk
+checked as it is filled), on fewer ranks also with one reader sending to the others (``dedup_reads=True``).
+vescale's own layouts (``InterleavedShard``, ``RaggedShard``) are in
+``integration_tests/test_checkpoint_layout_matrix.py``.
 """
 
 from __future__ import annotations
@@ -82,19 +84,21 @@ def _save_and_load_rows(root: str) -> None:
         path = os.path.join(root, row)
         same = lambda i, r=row: placements(r, i)  # noqa: E731
         expected = _on_mesh(mesh, same, "ref")
-        state = _on_mesh(mesh, same, "zeros")
-        checkpoint.load(path, state)
-        _assert_local_equal(state, expected, (row, "same layout"))
+        for atomic in (True, False):  # check, agree, fill; or checked as it fills (one pass)
+            state = _on_mesh(mesh, same, "zeros")
+            checkpoint.load(path, state, atomic=atomic)
+            _assert_local_equal(state, expected, (row, "same layout", atomic))
         next_row = ROWS[(k + 1) % len(ROWS)]
         other = lambda i, r=next_row: placements(r, i + 1)  # noqa: E731 - another row's layout, shifted
-        for mapped in ("1", "0"):  # strided parts copied out of a mapping, then streamed
+        # strided parts copied out of a mapping, then streamed; atomic, then in one pass
+        for mapped, atomic in (("1", True), ("0", True), ("1", False), ("0", False)):
             os.environ["VESCALE_CHECKPOINT_MMAP"] = mapped
             try:
                 state = _on_mesh(mesh, other, "zeros")
-                checkpoint.load(path, state)
+                checkpoint.load(path, state, atomic=atomic)
             finally:
                 del os.environ["VESCALE_CHECKPOINT_MMAP"]
-            _assert_local_equal(state, _on_mesh(mesh, other, "ref"), (row, "resharded on 4 ranks", mapped))
+            _assert_local_equal(state, _on_mesh(mesh, other, "ref"), (row, "resharded on 4 ranks", mapped, atomic))
 
 
 def _load_on_fewer(root: str) -> None:
@@ -109,9 +113,12 @@ def _load_on_fewer(root: str) -> None:
     for row in ROWS:
         for dim in (1, 0):
             layout = lambda i, d=dim: [Shard(d)]  # noqa: E731
-            state = _on_mesh(mesh, layout, "zeros")
-            checkpoint.load(os.path.join(root, row), state)
-            _assert_local_equal(state, _on_mesh(mesh, layout, "ref"), (row, dist.get_world_size(), dim))
+            # atomic; in one pass, every rank reading (local) or one reader sending to the others (dedup)
+            for atomic, dedup in ((True, None), (False, None), (False, True)):
+                state = _on_mesh(mesh, layout, "zeros")
+                checkpoint.load(os.path.join(root, row), state, atomic=atomic, dedup_reads=dedup)
+                _assert_local_equal(state, _on_mesh(mesh, layout, "ref"), (row, dist.get_world_size(), dim, atomic,
+                                                                           dedup))
 
 
 def test_layout_matrix_round_trips_and_reshards_bitwise(tmp_path):

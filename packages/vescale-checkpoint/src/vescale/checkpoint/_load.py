@@ -48,6 +48,7 @@ from vescale.checkpoint._local_read import (
     check_chunks_read,
     map_parts,
     read_parts,
+    read_parts_checked,
     release_buffer,
 )
 from vescale.checkpoint._reader import chunk_spans, read_metadata, read_shard, shard_nbytes, tensor_dtype
@@ -269,7 +270,7 @@ def _rounds(reads: list[_Read]) -> list[list[_Read]]:
 @collector_paused
 def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
          storage_options: dict[str, Any] | None = None, verify: bool = True, threads: int | None = None,
-         dedup_reads: bool | None = None) -> LoadResult:
+         dedup_reads: bool | None = None, atomic: bool = True) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding to its current layout; collective.
 
     Tensors (module parameters and buffers, optimizer states, DTensors on any mesh) are filled in place, values
@@ -282,6 +283,13 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     tensor (checksums are checked unless ``verify=False``; the metadata's schema always). A load that fails on
     any rank raises on every rank and leaves every rank's state as it was: nothing is written before every rank
     has checked what it will use.
+
+    ``atomic=False`` checks each byte as it is read into its target instead (one pass over the bytes, not a check
+    pass and then a fill): a load that fails still raises on every rank naming the file and the tensor, and values,
+    stateful objects and replaced tensors are still set only after success, but tensors filled in place may hold a
+    mix of their old and the stored bytes. For a state with nothing to keep, such as a job resuming into the model
+    and optimizer it has just built (``tools/train.py --resume`` does this); the cold load then runs at close to the
+    disk's read rate, where the atomic one also copies every byte again after the ranks agree.
 
     ``threads``: I/O threads per rank (default: the host's CPUs divided among its ranks, 1 to 8).
     ``dedup_reads``: each stored shard is read by one rank and sent to the others needing it (True), or read by
@@ -325,9 +333,9 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     workers = io_threads(threads, comm)
     with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:  # one: this thread
         if storage.local and not dedup_reads:
-            _read_local(reads, comm, storage, pieces, saved, verify, pool)
+            _read_local(reads, comm, storage, pieces, saved, verify, pool, atomic)
         else:
-            _read_once(reads, comm, storage, pieces, saved, verify, pool)
+            _read_once(reads, comm, storage, pieces, saved, verify, pool, atomic)
     for key, t in replaced.items():
         flat.tensor_setters[key](t)
     for key in flat.values:
@@ -373,13 +381,16 @@ class _Failed(Exception):
 
 
 def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
-                pool: ThreadPoolExecutor | None) -> None:
-    """Every rank reads its own parts of the shards it needs from local files. First each checks its share of the
-    chunks (on a mapping of the span where :func:`map_parts` gives one, else read into a buffer) and decompresses
-    its compressed shards, the ranks agree that all are intact, and only then does each fill its targets (copied
-    out of the mapping, or read again from the page cache): a damaged shard found by any rank fails the load on
-    every rank with every target unchanged."""
-    # in file order, so that the check pass reads each file front to back
+                pool: ThreadPoolExecutor | None, atomic: bool) -> None:
+    """Every rank reads its own parts of the shards it needs from local files.
+
+    ``atomic``: first each rank checks its share of the chunks (on a mapping of the span where :func:`map_parts`
+    gives one, else read into a buffer) and decompresses its compressed shards, the ranks agree that all are intact,
+    and only then does each fill its targets (copied out of the mapping, or read again from the page cache): a
+    damaged shard found by any rank fails the load on every rank with every target unchanged. Else each read is
+    checked as it fills its targets (one pass over the bytes, see :func:`read_parts_checked`) and the ranks agree
+    once at the end: a failure still raises on every rank, with targets partly written."""
+    # in file order, so that each rank reads each file front to back
     mine = sorted((rd for rd in reads if rd.reader == comm.rank), key=lambda rd: (rd.shard["file"], rd.shard["start"]))
     staged: dict[int, torch.Tensor] = {}  # by id of the read: a decompressed shard
     mapped: dict[int, MappedShard] = {}   # by id of the read: the mapped span of a raw shard
@@ -392,44 +403,59 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
             out.append((tuple(o - so for o, so in zip(inter[0], origin)), piece.view[relative(inter, piece.offsets)]))
         return out
 
-    def check(rd: _Read) -> None:
+    def check(rd: _Read, fill_unmapped: bool = False) -> None:
+        """Check ``rd``'s chunks (and stage or map what the fill needs); ``fill_unmapped``: a raw shard that is not
+        mapped is read into its targets, each chunk checked there (one pass)."""
         chunks = rd.chunks if verify else []
         dtype = tensor_dtype(saved[rd.key])
-        try:
-            if rd.shard["codec"] != "raw":
-                staged[id(rd)] = read_shard(storage, rd.shard, dtype, verify=chunks)
-                return
-            m = map_parts(storage, rd.shard, dtype, parts(rd), chunks)
-            if m is None:
-                if chunks:
-                    check_chunks_read(storage, rd.shard, chunks)
-                return
-            mapped[id(rd)] = m
-            m.check(chunks)
-        except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised
-            where = storage.where(rd.shard["file"])
-            raise _Failed(_error_text(exc, f"reading {where} failed") + f" (tensor {rd.key!r})") from exc
+        if rd.shard["codec"] != "raw":
+            staged[id(rd)] = read_shard(storage, rd.shard, dtype, verify=chunks)
+            return
+        m = map_parts(storage, rd.shard, dtype, parts(rd), chunks)
+        if m is None:
+            if fill_unmapped:
+                read_parts_checked(storage, rd.shard, dtype, parts(rd), chunks)
+            elif chunks:
+                check_chunks_read(storage, rd.shard, chunks)
+            return
+        mapped[id(rd)] = m
+        m.check(chunks)
 
     def fill(rd: _Read) -> None:
         dtype = tensor_dtype(saved[rd.key])
         if id(rd) in mapped:
-            mapped[id(rd)].fill(dtype, parts(rd))
+            mapped.pop(id(rd)).fill_and_close(dtype, parts(rd))
         elif rd.shard["codec"] == "raw":
             read_parts(storage, rd.shard, dtype, parts(rd))
         else:
-            data = staged[id(rd)]
+            data = staged.pop(id(rd))
             for offs, target in parts(rd):
                 target.copy_(data[tuple(slice(o, o + n) for o, n in zip(offs, target.shape))])
 
+    def check_and_fill(rd: _Read) -> None:
+        check(rd, fill_unmapped=True)
+        if id(rd) in mapped or id(rd) in staged:
+            fill(rd)
+
+    def named(fn):
+        def run(rd: _Read) -> None:
+            try:
+                fn(rd)
+            except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised
+                where = storage.where(rd.shard["file"])
+                raise _Failed(_error_text(exc, f"reading {where} failed") + f" (tensor {rd.key!r})") from exc
+        return run
+
     try:
         try:
-            failures = _run_all(check, mine, pool)
+            failures = _run_all(named(check if atomic else check_and_fill), mine, pool)
         finally:
             release_buffer()
         _agree(comm, str(failures[0]) if failures else None)
-        failures = _run_all(fill, mine, pool)
-        if failures:
-            raise failures[0]
+        if atomic:
+            failures = _run_all(fill, mine, pool)
+            if failures:
+                raise failures[0]
     finally:
         release_buffer()
         for m in mapped.values():
@@ -450,11 +476,17 @@ def _run_all(fn, items: list, pool: ThreadPoolExecutor | None) -> list[BaseExcep
 
 
 def _read_once(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,
-               pool: ThreadPoolExecutor | None) -> None:
-    """Each stored shard read by one rank and sent to the others needing it. When what every rank reads fits in
-    one round, the round stages it all (read, checked, agreed) before any target is filled; otherwise every rank
-    first checks its shards (read and discarded), the ranks agree, and the rounds then read again unchecked."""
+               pool: ThreadPoolExecutor | None, atomic: bool) -> None:
+    """Each stored shard read by one rank and sent to the others needing it. ``atomic``: when what every rank reads
+    fits in one round, the round stages it all (read, checked, agreed) before any target is filled; otherwise every
+    rank first checks its shards (read and discarded), the ranks agree, and the rounds then read again unchecked.
+    Else the rounds read once, checking as they read (straight into the targets where they can), agreeing per
+    round before any part is sent."""
     batches = _rounds(reads)
+    if not atomic:
+        for batch in batches:
+            _run_round(batch, comm, storage, pieces, saved, verify, pool, staged=False)
+        return
     if len(batches) <= 1:
         for batch in batches:
             _run_round(batch, comm, storage, pieces, saved, verify, pool, staged=True)

@@ -39,7 +39,8 @@ from vescale.checkpoint._reader import check_chunks, chunk_spans, shard_nbytes
 from vescale.checkpoint._storage import FileReader, Storage
 from vescale.checkpoint.errors import CorruptCheckpointError
 
-__all__ = ["read_parts", "byte_span", "release_buffer", "check_chunks_read", "MappedShard", "map_parts"]
+__all__ = ["read_parts", "read_parts_checked", "byte_span", "release_buffer", "check_chunks_read", "MappedShard",
+           "map_parts"]
 
 _bounce = threading.local()
 # bytes read at a time to check chunks (whole chunks, at least one). 1 MiB (in the cache for the crc32) against
@@ -158,18 +159,63 @@ def check_chunks_read(storage: Storage, shard: dict[str, Any], chunks: list[int]
 
     Raises :class:`CorruptCheckpointError` naming the file when it is missing, short, or a chunk fails its checksum.
     """
+    with storage.reader(shard["file"]) as reader:
+        _check_read(reader, storage.where(shard["file"]), shard, chunks)
+
+
+def _check_read(reader: FileReader, where: str, shard: dict[str, Any], chunks) -> None:
+    """:func:`check_chunks_read` on an open reader of the shard's file."""
     spans = chunk_spans(shard)
     run: list[int] = []
+    for i in sorted(chunks) + [None]:
+        if run and (i is None or i != run[-1] + 1 or spans[i][1] - spans[run[0]][0] > _CHECK_BYTES):
+            lo, hi = spans[run[0]][0], spans[run[-1]][1]
+            view = memoryview(_buffer(hi - lo).numpy())
+            reader.read_into(shard["start"] + lo, view)
+            check_chunks(where, shard, _Shifted(view, lo), run)
+            run = []
+        if i is not None:
+            run.append(i)
+
+
+def read_parts_checked(storage: Storage, shard: dict[str, Any], dtype: torch.dtype,
+                       parts: list[tuple[tuple[int, ...], torch.Tensor]], chunks: list[int]) -> None:
+    """:func:`read_parts` and :func:`check_chunks_read` in one pass, for a load that need not leave its targets
+    unchanged when it fails: a part read straight into its target is read ``_CHECK_BYTES`` at a time, and each of
+    the checksum ``chunks`` lying inside it is checked on the target's bytes as soon as they have arrived (still in
+    the CPU's cache); the other parts are streamed as by :func:`read_parts`, and the chunks that no straight part
+    holds whole are read and checked as by :func:`check_chunks_read` (from the page cache, mostly).
+
+    Raises :class:`CorruptCheckpointError` naming the file when it is missing, short, or a chunk fails its checksum;
+    the targets may then hold some of the stored bytes.
+    """
+    where = storage.where(shard["file"])
+    spans = chunk_spans(shard)
+    shape, size = list(shard["lengths"]), dtype.itemsize
+    left = sorted(chunks)
+    streamed = []
     with storage.reader(shard["file"]) as reader:
-        for i in sorted(chunks) + [None]:
-            if run and (i is None or i != run[-1] + 1 or spans[i][1] - spans[run[0]][0] > _CHECK_BYTES):
-                lo, hi = spans[run[0]][0], spans[run[-1]][1]
-                view = memoryview(_buffer(hi - lo).numpy())
-                reader.read_into(shard["start"] + lo, view)
-                check_chunks(storage.where(shard["file"]), shard, _Shifted(view, lo), run)
-                run = []
-            if i is not None:
-                run.append(i)
+        for offs, target in parts:
+            if not target.numel():
+                continue
+            if not _reads_straight(offs, target, shape, dtype):
+                streamed.append((offs, target))
+                continue
+            lo, hi = byte_span(offs, tuple(target.shape), shape, size)
+            out = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+            inside = [i for i in left if lo <= spans[i][0] and spans[i][1] <= hi]
+            left = [i for i in left if not (lo <= spans[i][0] and spans[i][1] <= hi)]
+            for a in range(lo, hi, _CHECK_BYTES):
+                b = min(a + _CHECK_BYTES, hi)
+                reader.read_into(shard["start"] + a, out[a - lo:b - lo])
+                done = [i for i in inside if spans[i][1] <= b]
+                if done:
+                    check_chunks(where, shard, _Shifted(out, lo), done)
+                    inside = inside[len(done):]
+        if streamed:
+            _copy_parts(reader, shard, dtype, streamed)
+        if left:
+            _check_read(reader, where, shard, left)
 
 
 class _Shifted:
@@ -246,6 +292,13 @@ class MappedShard:
                                                    writeable=False)
             np.copyto(target.detach().view(as_torch).numpy(), part)
         del src
+
+    def fill_and_close(self, dtype: torch.dtype, parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+        """:meth:`fill`, then :meth:`close` (also when the fill raises)."""
+        try:
+            self.fill(dtype, parts)
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Unmap. Copies out of the mapping must have finished (else the views left keep it mapped until freed)."""
