@@ -78,7 +78,8 @@ def lora_problems(cfg) -> list[str]:
     except ImportError:
         return out + ["--lora needs the peft package (pip install peft)"]
     with torch.device("meta"):
-        names = [n for n, _ in models.create(cfg.model).named_modules()]
+        base = models.create(cfg.model)
+    names = [n for n, _ in base.named_modules()]
     for target in lora["targets"]:
         if not any(n == target or n.endswith("." + target) for n in names):
             close = sorted({n.rsplit(".", 1)[-1] for n in names if n})
@@ -86,7 +87,7 @@ def lora_problems(cfg) -> list[str]:
                        f"{', '.join(close[:20])})")
     if getattr(cfg, "export_hf", None) and not out:  # the merge's refusals, asked of the whole model (every rank)
         with torch.device("meta"):
-            peft_model = wrap(models.create(cfg.model), lora)
+            peft_model = wrap(base, lora)  # the same meta model, wrapped in place: built once
         out += [f"--export-hf with --lora: {p}" for p in merge_problems([peft_model])]
     return out
 
@@ -221,6 +222,9 @@ def _merged(modules: list[nn.Module], layers_of: nn.Module | None = None) -> dic
         raise ValueError("--export-hf cannot merge these LoRA layers exactly (peft merge_and_unload):\n  "
                          + "\n  ".join(problems))
     layers = {fqn: m for root in source for fqn, m in root.named_modules() if isinstance(m, LoraLayer)}
+    # the name prefixes of the adapter tensors some layer describes (``<fqn>.lora_A.<adapter>.``)
+    described = {f"{fqn}.{kind}.{adapter}." for fqn, layer in layers.items() for adapter in layer.lora_A
+                 for kind in ("lora_A", "lora_B")}
     prefix = _prefix(modules)
     merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -241,9 +245,7 @@ def _merged(modules: list[nn.Module], layers_of: nn.Module | None = None) -> dic
                     if layer.lora_bias[adapter]:
                         deltas.setdefault(f"{fqn}.base_layer.bias", []).append(
                             state[b_name.removesuffix(".weight") + ".bias"] * scaling)
-            described = {f"{fqn}.{kind}.{adapter}." for fqn, layer in layers.items() for adapter in layer.lora_A
-                         for kind in ("lora_A", "lora_B")}
-            unknown = [n for n in state if ".lora_" in n and not any(n.startswith(d) for d in described)]
+            unknown = [n for n in state if ".lora_" in n and not _described(n, described)]
             if unknown:
                 raise ValueError(f"--export-hf: adapter tensors {unknown[:4]} belong to no LoRA layer of the model the "
                                  "merge reads the scalings from")
@@ -254,6 +256,11 @@ def _merged(modules: list[nn.Module], layers_of: nn.Module | None = None) -> dic
                     t = (t + delta).to(t.dtype)
                 merged[base_fqn(name, prefix)] = t
     return merged
+
+
+def _described(name: str, described: set[str]) -> bool:
+    """Whether a prefix of ``name`` ending at a dot is in ``described``: one set lookup per dot of the name."""
+    return any(name[:i + 1] in described for i, c in enumerate(name) if c == ".")
 
 
 def peft_names(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
