@@ -35,7 +35,16 @@ DP_REGRESSIONS = ["phimoe"]
 COVERED = {
     "mistral": "Llama's modules (regression); its sliding window (16 in the small config) is wider than the sweep's "
                "8 tokens, so its mask is Llama's causal one",
-    "ernie4_5": "Llama's modules (regression); its RoPE rotates even/odd channel pairs, as GLM's and Cohere2's do",
+    "ernie4_5": "Llama's modules (regression); its RoPE rotates even/odd channel pairs, as Cohere2's does",
+    "glm": "Llama's attention and TP plan entries (regression) with Phi-3's fused gate_up MLP and its "
+           "colwise_gather_output / rowwise_split_input entries; q/k/v biases under colwise as MiMo-V2-Flash's "
+           "(Qwen2's attention); its RoPE is partial (as GPT-NeoX's, regression) on even/odd pairs (as Cohere2's)",
+    "gpt_neo": "OPT's parts (regression): learned absolute positions, LayerNorm with bias, separate q/k/v and a "
+               "biased out projection, a two-Linear MLP, tied head, no transformers TP plan (nor OPT); its local "
+               "window (256) is wider than the sweep's 8 tokens and its dropouts default to 0 (OPT's are 0.1)",
+    "flex_olmo": "OLMo-3's attention (Olmo2Attention: q/k norms over the whole projection), post-norm layers and the "
+                 "same transformers TP plan entries; its MoE block is Mixtral's experts (Jamba's) behind "
+                 "Qwen2-MoE's top-k router (Qwen3-Next's)",
     "solar_open": "Llama's attention; its MoE is DeepSeek-V3's: MiMo-V2-Flash's (the same top-k router and stacked "
                   "experts) plus a shared-expert MLP added to the output, as AFMoE's and HY-V4's MoEs add theirs",
 }
