@@ -108,8 +108,13 @@ class Planner:
         for mixer, op in mixers.items():
             self.whole_sequence(mixer, op)
         local_runs = self.local_runs()
-        for opaque in sorted(t.opaque):
-            self.plan_opaque(opaque, local_runs)
+        claims = {opaque: self.plan_opaque(opaque) for opaque in sorted(t.opaque)}
+        self.settle_opaque_claims(claims)
+        for opaque, claim in claims.items():
+            if claim:
+                self.run_on_shards(opaque)
+            else:
+                self._run_whole_locally(opaque, local_runs, {o for o, c in claims.items() if c})
         for e in emb:
             if e.param not in self.params:
                 self.plan_embedding(e)
@@ -252,9 +257,12 @@ class Planner:
         if mod is not None:
             self.add(self.outputs, mod[0], mod[1], self.act(Shard(-1)), "logits stay vocab-sharded up to the root")
 
-    def plan_opaque(self, fqn: str, local_runs: set[str]) -> None:
-        """Plan opaque module ``fqn``: its weights paired by shape and run on local shards, else (no unambiguous
-        pair) replicated and, unless it nests with another module of ``local_runs``, run whole."""
+    def plan_opaque(self, fqn: str) -> dict[str, Placement]:
+        """Pair opaque module ``fqn``'s weights by shape: in-projections ``[.., k * Y, H]`` column-parallel,
+        out-projections ``[.., H, Y]`` row-parallel, its other untraced weights replicated. Returns the claim
+        ``{projection FQN: placement asked}`` (empty: no unambiguous pair, everything replicated). Parameters only:
+        the module's boundaries wait for :meth:`settle_opaque_claims` (a nested opaque module may replicate the same
+        weights)."""
         why = self.t.opaque[fqn]
         prefix = f"{fqn}." if fqn else ""
         mine = [p for p in self.t.shapes if p.startswith(prefix) and p not in self.first]
@@ -269,20 +277,51 @@ class Planner:
         y = next(iter(ys)) if ys else 0
         if not ok or y % self.n:
             for p in mine:
-                self.set_param(p, Replicate(), "replicated", f"{note}: no unambiguous in/out projection pair"
-                               if ok or not y else f"{note}: inner size {y} does not divide by {self.tp}={self.n}")
-            self._run_whole_locally(fqn, local_runs)
-            return
+                self.set_param(p, Replicate(), "replicated", f"{note}: inner size {y} does not divide by "
+                               f"{self.tp}={self.n}" if ok else f"{note}: no unambiguous in/out projection pair")
+            return {}
+        claim: dict[str, Placement] = {}
         for p in ins:
             shape = self.t.shapes[p]
             k = shape[-2] // y
-            self.set_param(p, InterleavedShard(len(shape) - 2, k) if k > 1 else Shard(len(shape) - 2), "column",
-                           f"{note}: in-projection [.., {shape[-2]}, {H}]" + (f" fused {k} parts" if k > 1 else ""))
+            claim[p] = InterleavedShard(len(shape) - 2, k) if k > 1 else Shard(len(shape) - 2)
+            self.set_param(p, claim[p], "column", f"{note}: in-projection [.., {shape[-2]}, {H}]"
+                           + (f" fused {k} parts" if k > 1 else ""))
         for p in outs:
-            self.set_param(p, Shard(len(self.t.shapes[p]) - 1), "row", f"{note}: out-projection [.., {H}, {y}]")
+            claim[p] = Shard(len(self.t.shapes[p]) - 1)
+            self.set_param(p, claim[p], "row", f"{note}: out-projection [.., {H}, {y}]")
         for p in mine:
             if p not in self.params:
                 self.set_param(p, Replicate(), "replicated", f"{note}: not a projection of the hidden size {H}")
+        return claim
+
+    def settle_opaque_claims(self, claims: dict[str, dict[str, Placement]]) -> None:
+        """Keep an opaque module's claim only if every projection it shards ended with the placement it asked for.
+
+        Its local result is a partial sum only when all its in-projections are column- and all its out-projections
+        row-parallel; a weight another opaque module also planned (an enclosing one that found no pair, JetMoE's
+        decoder layer around its mixture-of-attention) ends replicated, and replicated projections run on local
+        tensors would each compute the whole result: a ``Partial`` output would sum ``tp`` copies of it. Such a
+        module's projections are all replicated (a half-sharded pair is wrong too) and its claim dropped, until no
+        claim changes (dropping one may break another that shares its weights)."""
+        changed = True
+        while changed:
+            changed = False
+            for fqn, claim in claims.items():
+                lost = next((p for p, want in claim.items() if self.params[p][0] != want), None)
+                if lost is None:
+                    continue
+                why = (f"module {fqn} not traceable on meta; paired by shape, but its projection {lost} is "
+                       f"replicated ({self.params[lost][2]}): the whole pair stays replicated")
+                for p in claim:
+                    if self.params[p][0] != Replicate():
+                        self.params[p] = (Replicate(), "replicated", why)
+                self.notes.append(Decision("local", fqn, "-", "boundary", f"not run on local shards: {why}"))
+                claims[fqn] = {}
+                changed = True
+
+    def run_on_shards(self, fqn: str) -> None:
+        """The boundaries of opaque module ``fqn`` whose projections are sharded (:meth:`plan_opaque`, settled)."""
         # DTensor cannot propagate through data-dependent code: run the module on local shards (``local``), its
         # local result being a partial sum (row-parallel), and every floating-point argument's gradient too (each
         # feeds the sharded projections); integer arguments (routing indices) keep their own layout.
@@ -297,7 +336,7 @@ class Planner:
         self.stream_output(fqn, f"reduce opaque {fqn}'s partial sums into the residual stream")
         self._full_main_input(fqn, call)
 
-    def _run_whole_locally(self, fqn: str, local_runs: set[str]) -> None:
+    def _run_whole_locally(self, fqn: str, local_runs: set[str], on_shards: set[str]) -> None:
         """An opaque module with every parameter replicated runs whole on every rank as plain tensors (its input full,
         its result replicated): code DTensor cannot follow (data-dependent loops, a ``to_local()`` of its own weight
         as Ergo's expert norm makes) then computes exactly one device's values; gradients stay replicated.
@@ -305,14 +344,18 @@ class Planner:
         Not when it contains, or lies inside, another module of ``local_runs``: that would mix plain tensors and
         DTensors (the inner one wraps its results as DTensors in code that runs on plain tensors, or runs on DTensors
         the outer one made plain; JetMoE). It keeps its DTensor run instead, with no entry of its own, and a
-        data-dependent read there is refused by name at run time."""
+        data-dependent read there is refused by name at run time. ``on_shards``: the opaque modules whose settled
+        projection pairs run on local shards (named first in the note)."""
         call = next((c for c in self.t.calls if c.fqn == fqn), None)
         if not fqn or call is None:
             return
         nests = sorted(o for o in local_runs if o != fqn and (o.startswith(fqn + ".") or fqn.startswith(o + ".")))
         if nests:
+            other = next((o for o in nests if o in on_shards), nests[0])
+            how = "also runs on local tensors" if other in on_shards else \
+                "is not traceable on meta either (only one of two nested modules could run whole)"
             self.notes.append(Decision("local", fqn, "-", "boundary", f"all parameters replicated, but it nests with "
-                                       f"{nests[0]}, which also runs on local tensors: keeps its DTensor run"))
+                                       f"{other}, which {how}: keeps its DTensor run"))
             return
         self.whole.add(fqn)
         for key in call.args:
