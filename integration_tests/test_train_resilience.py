@@ -137,10 +137,23 @@ def test_tensorboard_events_and_resume_auto_past_incomplete_and_damaged_checkpoi
         f.write(bytes([byte[0] ^ 0xFF]))
     (out / "ckpt" / "step_8").mkdir()  # a save that never committed
     said = []
+    auto = config.parse_args([*COMMON, "--steps", "6", "--resume", "auto", "--out", str(out)], "")
+    resilience.auto_resume(auto, said.append)  # reads no data: step_6's damage is found by its load
+    ckpt = [str((out / "ckpt" / f"step_{n}").resolve()) for n in (6, 4, 2)]
+    assert (auto.resume, auto.resume_fallbacks) == (ckpt[0], ckpt[1:]), said
+    assert "step_8: incomplete" in said[0] and "resuming from" in said[1], said
+    # the load of step_6 fails on both ranks alike; they load step_4 instead and run steps 5 and 6 again
+    summary = run_on_ranks(train.train, 2, auto)[0]
+    assert summary["resumed_from"] == ckpt[1]
+    again = _records(out)
+    assert [r["step"] for r in again] == [r["step"] for r in records] + [5, 6]
+    assert [r["loss"] for r in again[-2:]] == pytest.approx([r["loss"] for r in records[-2:]], rel=1e-6, abs=0)
+
+    os.truncate(data, data.stat().st_size - 1)  # a short file: seen without reading any data, skipped
+    said = []
     auto = config.parse_args([*COMMON, "--resume", "auto", "--out", str(out)], "")
     resilience.auto_resume(auto, said.append)
-    assert auto.resume == str((out / "ckpt" / "step_4").resolve()), said
-    assert "step_8: incomplete" in said[0] and "step_6: damaged" in said[1], said
+    assert auto.resume == ckpt[1] and "step_6: damaged" in said[1], said
 
     fresh = config.parse_args([*COMMON, "--resume", "auto", "--out", str(tmp_path / "empty")], "")
     resilience.auto_resume(fresh, said.append)

@@ -70,6 +70,7 @@ class TrainConfig:
     out: str = "runs/latest"
     ckpt_every: int = 0
     resume: str | None = None  # a checkpoint directory, or auto: the newest complete one under --out
+    resume_fallbacks: list[str] = field(default_factory=list)  # --resume auto: older complete ones, newest first
     max_bad_steps: int = 3  # consecutive non-finite steps skipped before the run stops (0: stop at the first)
     preempt_signal: str | None = None  # stop cleanly on it too (SIGTERM always), e.g. SIGUSR1 from SLURM
     tensorboard: bool = False  # event files under <out>/tensorboard (the tensorboard package)

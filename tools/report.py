@@ -282,6 +282,7 @@ def run_summary(cfg, trainer, corpus, run_log: RunLog, res, *, wall: float, comm
         "mfu": tflops / (dist.get_world_size() * cfg.peak_tflops) if cfg.peak_tflops else None,
         "export_hf": cfg.export_hf, "skipped_steps": res.guard.skipped, "preempted": res.preempt.stopping,
         "save_errors": res.save_errors, "ranks": ranks, "slow_ranks": slow, "startup": startup,
+        "resumed_from": cfg.resume,
     }, corpus.entropy())
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from faults import ENV_VAR, Faults
 from rank_times import CollectiveWaitClock
 
-__all__ = ["Resilience", "auto_resume", "checkpoints_newest_first", "PREEMPT_GRACE_S"]
+__all__ = ["Resilience", "auto_resume", "load_resume", "checkpoints_newest_first", "PREEMPT_GRACE_S"]
 
 #: Seconds after a preemption signal within which every rank must agree to stop, else the rank exits (143 on SIGTERM)
 PREEMPT_GRACE_S = 25.0
@@ -30,26 +30,57 @@ def checkpoints_newest_first(out: str | Path) -> list[Path]:
 
 def auto_resume(cfg, say: Callable[[str], None]) -> None:
     """``--resume auto``: set ``cfg.resume`` to the newest checkpoint under ``cfg.out`` (default ``runs/latest``) that
-    is complete (``metadata.json`` committed) and passes ``vescale.checkpoint.verify`` (every file, size and
-    checksum), saying which newer ones were skipped and why; with none, start fresh in ``cfg.out`` (``cfg.resume``
-    None, its old outputs replaced). Runs before any rank starts; reads every byte of the checkpoint it accepts."""
+    is complete (``metadata.json`` committed) and whole (``vescale.checkpoint.verify(checksums=False)``: schema,
+    files, sizes, headers; no data read), and ``cfg.resume_fallbacks`` to the older ones that are, newest first,
+    saying which were skipped and why; with none, start fresh in ``cfg.out`` (``cfg.resume`` None, its old outputs
+    replaced). Runs before any rank starts. The checksums are checked by the load itself, as it reads
+    (:func:`load_resume`): a damaged checkpoint is found there, and the next one loaded instead."""
     from vescale.checkpoint import CheckpointError, verify
 
     cfg.out = cfg.out or "runs/latest"
+    whole = []
     for path in checkpoints_newest_first(cfg.out):
         if not (path / "metadata.json").is_file():
             say(f"--resume auto: skipping {path}: incomplete (no metadata.json: the save did not finish)")
             continue
         try:
-            verify(path)
+            verify(path, checksums=False)
         except (CheckpointError, OSError, ValueError) as exc:
             say(f"--resume auto: skipping {path}: damaged ({str(exc).splitlines()[0]})")
             continue
-        say(f"--resume auto: resuming from {path}")
-        cfg.resume = str(path.resolve())
+        whole.append(str(path.resolve()))
+    if whole:
+        say(f"--resume auto: resuming from {whole[0]}")
+        cfg.resume, cfg.resume_fallbacks = whole[0], whole[1:]
         return
     say(f"--resume auto: no complete checkpoint under {cfg.out}/ckpt; starting fresh")
     cfg.resume, cfg.overwrite = None, True
+
+
+def load_resume(cfg, state: dict, say: Callable[[str], None]) -> tuple[str, dict]:
+    """Load ``cfg.resume`` into ``state`` (the model and optimizer just built: nothing to keep, so in one pass,
+    ``atomic=False``) and return (the checkpoint loaded, its progress record). A load that finds damage raises
+    ``CorruptCheckpointError`` on every rank alike; under ``--resume auto`` the ranks then load the next of
+    ``cfg.resume_fallbacks`` (a strict load writes every tensor and value, so nothing of the damaged one stays),
+    saying which was skipped; when none is left, or with an explicit ``--resume``, the error is raised."""
+    from vescale import checkpoint
+    from vescale.checkpoint import CorruptCheckpointError
+
+    paths = [cfg.resume, *cfg.resume_fallbacks]
+    for i, path in enumerate(paths):
+        progress = {"step": 0, "sequences": 0, "data": ""}
+        if any(k.startswith("progress") and k.endswith("skipped") for k in checkpoint.inspect(path)["values"]):
+            progress["skipped"] = 0  # the run's bad steps so far (checkpoints written before it was kept lack it)
+        try:
+            checkpoint.load(path, {**state, "progress": progress}, atomic=False)
+        except CorruptCheckpointError as exc:
+            if i + 1 == len(paths):
+                raise
+            say(f"--resume auto: skipping {path}: damaged ({str(exc).splitlines()[0]}); "
+                f"resuming from {paths[i + 1]}")
+            continue
+        return path, progress
+    raise AssertionError("unreachable: the last path's failure raises")
 
 
 class Resilience:

@@ -53,7 +53,7 @@ from config import TrainConfig, check_fits, lr_at, parallel_spec, parse_args, pr
 from data import DataError, open_data, resume_offset, step_rows  # noqa: E402
 from evaluate import TextMonitor  # noqa: E402
 from report import RunLog, TimelineWindow, dump_grads, run_summary, state_bytes  # noqa: E402
-from resilience import Resilience, auto_resume  # noqa: E402
+from resilience import Resilience, auto_resume, load_resume  # noqa: E402
 
 
 def log(cfg: TrainConfig, message: str) -> None:
@@ -148,8 +148,6 @@ def train_watched(cfg: TrainConfig) -> dict:
 
 def train(cfg: TrainConfig, watch=None) -> dict:
     """Run the job on this rank (the default process group is initialised); rank 0 returns the summary."""
-    from vescale import checkpoint
-
     rank, out = dist.get_rank(), Path(cfg.out)
     corpus = open_data(cfg, models.model_spec(cfg.model).vocab_size)  # prepared by main: a cache hit here
     trainer = build_trainer(cfg)
@@ -161,12 +159,8 @@ def train(cfg: TrainConfig, watch=None) -> dict:
     device = rank_device()
     start, offset = 0, 0  # offset: data position (sequences) minus step x batch size, from a resumed checkpoint
     if cfg.resume:
-        progress = {"step": 0, "sequences": 0, "data": ""}
-        if any(k.startswith("progress") and k.endswith("skipped") for k in checkpoint.inspect(cfg.resume)["values"]):
-            progress["skipped"] = 0  # the run's bad steps so far (checkpoints written before it was kept lack it)
-        # into the state just built, which holds nothing to keep: checked in one pass, not checked, agreed, then
-        # copied again (a failed load still raises on every rank, naming the file)
-        checkpoint.load(cfg.resume, {**trainer.state, "progress": progress}, atomic=False)
+        cfg.resume, progress = load_resume(cfg, trainer.state,  # said even with --quiet, as auto_resume's lines
+                                           say=lambda m: print(f"train.py: {m}", flush=True) if rank == 0 else None)
         startup["loaded_at"] = time.time()
         start = int(progress["step"])
         offset, note = resume_offset(progress, corpus, cfg.batch_size)

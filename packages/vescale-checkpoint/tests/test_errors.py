@@ -90,13 +90,15 @@ def test_verify_names_damaged_and_truncated_files(tmp_path, capsys):
     file.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=f"{name} is damaged: checksum mismatch"):
         checkpoint.verify(path)
+    assert checkpoint.verify(path, checksums=False)["tensors"] == 3  # reads no data: the damage is not seen
     assert cli(["verify", str(path)]) == 1
     assert name in capsys.readouterr().err
     with pytest.raises(CorruptCheckpointError, match=name):
         checkpoint.load(path, _state(0, seed=1))
     file.write_bytes(bytes(raw[:-40]))
-    with pytest.raises(CorruptCheckpointError, match=f"{name} is .* bytes, expected"):
-        checkpoint.verify(path)
+    for checksums in (True, False):  # a size is seen without reading data
+        with pytest.raises(CorruptCheckpointError, match=f"{name} is .* bytes, expected"):
+            checkpoint.verify(path, checksums=checksums)
     with pytest.raises(CorruptCheckpointError, match=f"{name} is truncated"):
         checkpoint.load(path, _state(0, seed=1))
     os.remove(file)
