@@ -21,7 +21,9 @@ cache, and strided parts are checked on a mapping of their span and copied out o
 read-once path stages everything a rank reads when that fits in ``_ROUND_BYTES`` on every rank, else checks first
 and reads again. Any failure raises on every rank, naming the file and the tensor, and leaves every rank's state
 bitwise as it was; errors other than corruption (a permission, a failing disk) are agreed on the same way, so no
-rank is left waiting in a collective.
+rank is left waiting in a collective. A one-pass load (``atomic=False``, for a state with nothing to keep) checks
+each chunk as it fills its target and agrees once at the end (per round on the read-once path): the same checks and
+errors, without the second copy after the agreement, but a failure may leave targets partly written.
 """
 
 from __future__ import annotations

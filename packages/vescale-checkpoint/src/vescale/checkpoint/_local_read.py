@@ -1,4 +1,5 @@
-"""Reading one rank's parts of one stored shard from a local file, in two passes around the ranks' agreement.
+"""Reading one rank's parts of one stored shard from a local file, in two passes around the ranks' agreement (or in
+one, :func:`read_parts_checked`, for a load that need not be all-or-nothing).
 
 **Read** (:func:`check_chunks_read`, then :func:`read_parts`). The checksum chunks this rank checks are read into a
 reused buffer of this thread, ``_CHECK_BYTES`` at a time (one 1 MiB chunk, so the crc32 runs on bytes in the CPU's
