@@ -15,7 +15,7 @@ is the partial sum DTensor computes there too. :func:`install_block` adds the pl
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,13 +53,16 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # transformers attention function
 @dataclass(frozen=True)
 class BlockLayout:
     """What :func:`block_layout` found: the kind (``"attention"`` or ``"mlp"``), the column-parallel and the
-    row-parallel projections' child names, the mesh dim ``k`` they are sharded on, the input's parameter name."""
+    row-parallel projections' child names, the mesh dim ``k`` they are sharded on, the input's parameter name, and
+    the ``(owner, name)`` dropout fields of the module and its config
+    (:func:`~vescale.parallel.fast.structure.dropout_fields`, read per call)."""
 
     kind: str
     columns: tuple[str, ...]
     row: str
     k: int
     input: str
+    dropouts: tuple[tuple[Any, str], ...] = field(repr=False)  # holds modules: kept out of the repr
 
 
 def block_layout(module: nn.Module, mesh) -> BlockLayout | None:
@@ -72,7 +75,8 @@ def block_layout(module: nn.Module, mesh) -> BlockLayout | None:
     others = [c for n, c in children.items() if n not in linears]
     if len(others) > 1 or not all(is_activation(c) for c in others):
         return None
-    if random_code((module, *children.values()), dropout_fields(module, getattr(module, "config", None))):
+    dropouts = dropout_fields(module, getattr(module, "config", None))
+    if random_code((module, *children.values()), dropouts):
         return None  # its forward (or a child's) may draw random numbers: see .random_guard
     if not all(isinstance(lin.weight, DTensor) and lin.weight.device_mesh == mesh for lin in linears.values()):
         return None
@@ -95,7 +99,7 @@ def block_layout(module: nn.Module, mesh) -> BlockLayout | None:
     name = input_name(module)
     if name is None:
         return None
-    return BlockLayout(kind, columns, rows[0], k, name)
+    return BlockLayout(kind, columns, rows[0], k, name, dropouts)
 
 
 def _attention_layout(module: nn.Module, columns: list[nn.Linear], n: int) -> bool:
@@ -166,7 +170,7 @@ class FastBlock:
         self.module, self.orig, self.mesh, self.k, self.kind = module, orig, mesh, layout.k, layout.kind
         self.input_name, self.params, self.finish, self.context = layout.input, params, finish, context
         self.row_placements = row_placements
-        self.dropouts = dropout_fields(module, getattr(module, "config", None))
+        self.dropouts = layout.dropouts
         self.random = RandomGuard()
         self.local_calls = 0  # how many calls took the fast path (for tests and benchmarks)
 

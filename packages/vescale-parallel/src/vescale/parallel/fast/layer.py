@@ -65,14 +65,14 @@ def install_layer(module: nn.Module, mesh, named: list[str], context: FastPathCo
         return False
     if not all(replicated_weight_norm(children[name], mesh) for name in norm_names):
         return False
-    if random_code((module, *(children[name] for name in norm_names)),
-                   dropout_fields(module, getattr(module, "config", None))):
+    dropouts = dropout_fields(module, getattr(module, "config", None))
+    if random_code((module, *(children[name] for name in norm_names)), dropouts):
         return False  # its forward (or a norm's) may draw random numbers: see .random_guard
     name = input_name(module)
     if name is None:
         return False
     norms = [(n, "weight", tuple(children[n].weight.placements)) for n in norm_names]
-    module.forward = FastLayer(module, module.forward, mesh, k, blocks, norms, name, context)
+    module.forward = FastLayer(module, module.forward, mesh, k, blocks, norms, name, context, dropouts)
     return True
 
 
@@ -94,10 +94,10 @@ class FastLayer:
     """
 
     def __init__(self, module: nn.Module, orig, mesh, k: int, blocks: tuple, norms: list[tuple], input_name: str,
-                 context: FastPathContext) -> None:
+                 context: FastPathContext, dropouts: tuple[tuple[Any, str], ...]) -> None:
         self.module, self.orig, self.mesh, self.k, self.blocks, self.norms = module, orig, mesh, k, blocks, norms
         self.input_name, self.context = input_name, context
-        self.dropouts = dropout_fields(module, getattr(module, "config", None))
+        self.dropouts = dropouts  # the layer's and its config's dropout fields (install_layer's), read per call
         self.random = RandomGuard()
         self.local_calls = 0
 

@@ -112,8 +112,8 @@ def install_model(module: nn.Module, mesh, inputs: dict, outputs: dict, named: l
             return False
     if not replicated_weight_norm(norm, mesh):
         return False
-    if random_code((module, decoder, norm, rotary), dropout_fields(module, getattr(module, "config", None), decoder,
-                                                                   getattr(decoder, "config", None))):
+    dropouts = dropout_fields(module, getattr(module, "config", None), decoder, getattr(decoder, "config", None))
+    if random_code((module, decoder, norm, rotary), dropouts):
         return False  # a forward it runs locally may draw random numbers: see .random_guard
     rope = rotary.rope_type
     if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope" or list(rotary.children()) \
@@ -137,7 +137,8 @@ def install_model(module: nn.Module, mesh, inputs: dict, outputs: dict, named: l
     own = own_output.get("logits") if isinstance(own_output, Mapping) else None
     gather = isinstance(own, (list, tuple)) and tuple(own) == gathered
     module.forward = FastModel(module, module.forward, mesh, k, (decoder_name, parts["embed"], head_name), layers,
-                               entries, buffers, placements, logits, cache_class, context, gathered if gather else None)
+                               entries, buffers, placements, logits, cache_class, context, gathered if gather else None,
+                               dropouts=dropouts)
     return True
 
 
@@ -188,7 +189,8 @@ class FastModel:
 
     def __init__(self, module: nn.Module, orig, mesh, k: int, names: tuple[str, str, str], layers: list,
                  entries: list[tuple], buffers: list[tuple], placements: tuple, logits_placements: tuple,
-                 cache_class: type, context: FastPathContext, gathered_placements: tuple | None = None) -> None:
+                 cache_class: type, context: FastPathContext, gathered_placements: tuple | None = None, *,
+                 dropouts: tuple[tuple[Any, str], ...]) -> None:
         self.module, self.orig, self.mesh, self.k, self.context = module, orig, mesh, k, context
         self.decoder_name, self.embed_name, self.head_name = names
         self.layers, self.entries, self.buffers, self.cache_class = layers, entries, buffers, cache_class
@@ -198,9 +200,7 @@ class FastModel:
         self.__signature__ = inspect.signature(orig)
         embed = getattr(self._decoder(), self.embed_name)
         self.offset = mesh.get_local_rank(k) * (embed.weight.shape[0] // mesh.size(k))
-        decoder = self._decoder()
-        self.dropouts = dropout_fields(module, getattr(module, "config", None), decoder,
-                                       getattr(decoder, "config", None))
+        self.dropouts = dropouts  # the model's, its decoder's and their configs' dropout fields, read per call
         self.random = RandomGuard()
         self.local_calls = 0
 

@@ -37,8 +37,7 @@ RANDOM_NAMES = frozenset({
     "multinomial", "poisson", "rrelu", "rrelu_", "gumbel_softmax", "binomial"})
 
 # dropout functions: a forward naming one is trusted statically only if a ``*dropout*`` field exists (see random_code)
-_DROPOUT_NAMES = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-                            "native_dropout"})
+_DROPOUT_NAMES = frozenset(name for name in RANDOM_NAMES if "dropout" in name)
 
 # seeded kernels that draw only with a nonzero dropout argument (fused attention, RNNs)
 _CONDITIONAL = ("attention", "sdp", "rnn", "lstm", "gru", "cudnn", "miopen")
@@ -124,4 +123,3 @@ class RandomGuard:
             out = orig(*args, **kwargs)
         self.found[training] = tuple(sorted(probe.found))
         return out
-
