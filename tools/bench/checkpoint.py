@@ -18,7 +18,8 @@ larger than the caches; ``floor_load_cpu_s``: the CPU seconds of all ranks that 
 set against the ``*_cpu_s`` figures); a save writes the state's bytes at dd's 4-stream ``O_DIRECT`` rate, the best of
 block sizes 512 KiB, 1 MiB and 4 MiB (``floor_save_s``; ``*_save_fraction_of_disk``: that floor over each side's
 save). Loads are also timed with ``verify=False`` (``vescale_unverified_load*``, ``ratio_unverified_*``): DCP checks
-nothing it reads, vescale's default checks every byte's crc32 before it writes any target. And cold
+nothing it reads, vescale's default checks every byte's crc32 before it writes any target; and in one pass
+(``atomic=False``, ``vescale_one_pass_load*``, ``ratio_one_pass_*``: checked as it fills, not all-or-nothing). And cold
 (``*_cold_load*``): both checkpoints evicted from the page cache before each load, as for a job's first load after a
 save that vescale wrote past the page cache (``O_DIRECT``) or after a restart; its floor, ``floor_cold_load_s``, is
 the stored bytes at dd's best 4-stream read rate, ``O_DIRECT`` or through the page cache after an eviction
@@ -541,6 +542,7 @@ def _matrix_save(root: str, layouts: list[str], count: int, shape: tuple[int, in
             _sample(samples, "vescale_load", partial(checkpoint.load, v_path, state))
             _sample(samples, "dcp_load", partial(dcp.load, dstate, checkpoint_id=d_path))
             _sample(samples, "vescale_unverified_load", partial(checkpoint.load, v_path, state, verify=False))
+            _sample(samples, "vescale_one_pass_load", partial(checkpoint.load, v_path, state, atomic=False))
         for _ in range(repeat):
             _sample_cold(samples, {"vescale_cold_load": partial(checkpoint.load, v_path, state),
                                    "dcp_cold_load": partial(dcp.load, dstate, checkpoint_id=d_path)}, (v_path, d_path))
@@ -597,6 +599,7 @@ def _matrix_reshard(root: str, layouts: list[str], count: int, shape: tuple[int,
             _sample(samples, "dcp_load_reshard", partial(dcp.load, state, checkpoint_id=d_path))
             _sample(samples, "vescale_unverified_load_reshard",
                     partial(checkpoint.load, v_path, state, verify=False))
+            _sample(samples, "vescale_one_pass_load_reshard", partial(checkpoint.load, v_path, state, atomic=False))
         for _ in range(repeat):
             _sample_cold(samples, {"vescale_cold_load_reshard": partial(checkpoint.load, v_path, state),
                                    "dcp_cold_load_reshard": partial(dcp.load, state, checkpoint_id=d_path)},
@@ -643,6 +646,7 @@ def matrix(args) -> dict:
             row[f"cpu_ratio_{op}"] = round(r[f"dcp_{op}_cpu_s"] / r[f"vescale_{op}_cpu_s"], 2)
         for op in ("load", "load_reshard"):  # like for like: DCP checks nothing it reads
             row[f"ratio_unverified_{op}"] = round(r[f"dcp_{op}_s"] / r[f"vescale_unverified_{op}_s"], 2)
+            row[f"ratio_one_pass_{op}"] = round(r[f"dcp_{op}_s"] / r[f"vescale_one_pass_{op}_s"], 2)
         # floors: one copy of every byte each rank needs at the measured memcpy rate; the unique bytes at dd's
         row["floor_load_s"] = round(r["local_bytes_all_ranks"] / 1e9 / out["memcpy_4_ranks_GBps"], 4)
         row["floor_load_reshard_s"] = round(other[layout]["local_bytes_all_ranks"] / 1e9
