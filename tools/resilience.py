@@ -62,7 +62,8 @@ def load_resume(cfg, state: dict, say: Callable[[str], None]) -> tuple[str, dict
     ``atomic=False``) and return (the checkpoint loaded, its progress record). A load that finds damage raises
     ``CorruptCheckpointError`` on every rank alike; under ``--resume auto`` the ranks then load the next of
     ``cfg.resume_fallbacks`` (a strict load writes every tensor and value, so nothing of the damaged one stays),
-    saying which was skipped; when none is left, or with an explicit ``--resume``, the error is raised."""
+    saying which was skipped; when none is left (every one damaged: no fresh start over a run's checkpoints), or with
+    an explicit ``--resume``, the error is raised."""
     from vescale import checkpoint
     from vescale.checkpoint import CorruptCheckpointError
 
@@ -74,6 +75,10 @@ def load_resume(cfg, state: dict, say: Callable[[str], None]) -> tuple[str, dict
         try:
             checkpoint.load(path, {**state, "progress": progress}, atomic=False)
         except CorruptCheckpointError as exc:
+            if len(paths) > 1 and i + 1 == len(paths):  # never a silent fresh start over a run's checkpoints
+                raise CorruptCheckpointError(f"--resume auto: every complete checkpoint under {cfg.out}/ckpt is "
+                                             f"damaged (move them aside to start fresh); the oldest, {path}: {exc}"
+                                             ) from exc
             if i + 1 == len(paths):
                 raise
             say(f"--resume auto: skipping {path}: damaged ({str(exc).splitlines()[0]}); "
