@@ -112,6 +112,17 @@ def test_sigterm_checkpoints_exits_0_and_the_resume_continues_the_curve(tmp_path
     assert got == pytest.approx(want, rel=1e-6, abs=0), (got, want)
 
 
+def _flip_a_byte(ckpt: Path) -> Path:
+    """Flip the third-last byte of the checkpoint's first data file (a shard's bytes); returns the file."""
+    data = sorted(p for p in ckpt.iterdir() if p.name != "metadata.json")[0]
+    with open(data, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return data
+
+
 def test_tensorboard_events_and_resume_auto_past_incomplete_and_damaged_checkpoints(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -129,12 +140,7 @@ def test_tensorboard_events_and_resume_auto_past_incomplete_and_damaged_checkpoi
         assert [e.value for e in events.Scalars(tag)] == pytest.approx([r[key] for r in records], rel=1e-6), tag
 
     assert [p.name for p in resilience.checkpoints_newest_first(out)] == ["step_6", "step_4", "step_2"]
-    data = sorted(p for p in (out / "ckpt" / "step_6").iterdir() if p.name != "metadata.json")[0]
-    with open(data, "r+b") as f:  # one flipped byte in the newest checkpoint's data
-        f.seek(-3, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-3, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    data = _flip_a_byte(out / "ckpt" / "step_6")  # in the newest checkpoint's data
     (out / "ckpt" / "step_8").mkdir()  # a save that never committed
     said = []
     auto = config.parse_args([*COMMON, "--steps", "6", "--resume", "auto", "--out", str(out)], "")
@@ -148,6 +154,10 @@ def test_tensorboard_events_and_resume_auto_past_incomplete_and_damaged_checkpoi
     again = _records(out)
     assert [r["step"] for r in again] == [r["step"] for r in records] + [5, 6]
     assert [r["loss"] for r in again[-2:]] == pytest.approx([r["loss"] for r in records[-2:]], rel=1e-6, abs=0)
+    for n in (4, 2):  # every complete checkpoint damaged: stopped with an error, no fresh start over them
+        _flip_a_byte(out / "ckpt" / f"step_{n}")
+    with pytest.raises(RankError, match="every complete checkpoint under .* is damaged"):
+        run_on_ranks(train.train, 2, auto)
 
     os.truncate(data, data.stat().st_size - 1)  # a short file: seen without reading any data, skipped
     said = []
