@@ -392,13 +392,10 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
     damaged shard found by any rank fails the load on every rank with every target unchanged. Else each read is
     checked as it fills its targets (one pass over the bytes, see :func:`read_parts_checked`) and the ranks agree
     once at the end: a failure still raises on every rank, with targets partly written."""
-    # in file order, so that each rank reads each file front to back; in one pass each rank starts at another file
-    # (ranks needing the same bytes, e.g. replicated ones, then keep one disk stream each instead of all waiting on
-    # the same pages)
-    mine = [rd for rd in reads if rd.reader == comm.rank]
-    files = sorted({rd.shard["file"] for rd in mine})
-    turn = {f: (i - (0 if atomic else comm.rank)) % len(files) for i, f in enumerate(files)}
-    mine.sort(key=lambda rd: (turn[rd.shard["file"]], rd.shard["start"]))
+    # in file order, so that each rank reads each file front to back (also in one pass: ranks needing the same bytes
+    # then read them at about the same time, each page coming from the disk once while the others wait on it; with
+    # each rank starting at another file, the replicated row at 2 GiB took 1.30-1.41 s against 1.05-1.18)
+    mine = sorted((rd for rd in reads if rd.reader == comm.rank), key=lambda rd: (rd.shard["file"], rd.shard["start"]))
     staged: dict[int, torch.Tensor] = {}  # by id of the read: a decompressed shard
     mapped: dict[int, MappedShard] = {}   # by id of the read: the mapped span of a raw shard
 
