@@ -203,3 +203,30 @@ def _direct_supported(path) -> bool:
         return True
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_local_load_opens_each_file_once_per_thread_and_closes_it(tmp_path, monkeypatch, atomic):
+    """Shard after shard of one file is read on one kept descriptor per I/O thread (the kernel's readahead state
+    lives in it), and the load closes every descriptor it opened."""
+    import os
+
+    from vescale.checkpoint import _storage
+
+    state = {f"w{i}": torch.full((64, 32), float(i)) for i in range(12)}
+    checkpoint.save(tmp_path / "ckpt", state)
+    opened: list[str] = []
+    real = _storage.Storage._open_read
+
+    def spy(self, name):
+        opened.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(_storage.Storage, "_open_read", spy)
+    before = set(os.listdir("/proc/self/fd"))
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    checkpoint.load(tmp_path / "ckpt", target, threads=2, atomic=atomic)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    data = [n for n in opened if n.endswith(".safetensors")]
+    assert len(set(data)) == 1 and 1 <= len(data) <= 2, opened  # 12 shards, one file, at most one open per thread
+    assert set(os.listdir("/proc/self/fd")) == before

@@ -335,7 +335,8 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     workers = io_threads(threads, comm)
     with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:  # one: this thread
         if storage.local and not dedup_reads:
-            _read_local(reads, comm, storage, pieces, saved, verify, pool, atomic)
+            with storage.keep_open():  # one descriptor per file and thread: see Storage.keep_open
+                _read_local(reads, comm, storage, pieces, saved, verify, pool, atomic)
         else:
             _read_once(reads, comm, storage, pieces, saved, verify, pool, atomic)
     for key, t in replaced.items():

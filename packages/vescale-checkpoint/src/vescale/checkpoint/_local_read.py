@@ -254,7 +254,7 @@ class MappedShard:
         self.shard, self.lo, self.where = shard, lo, storage.where(shard["file"])
         begin, end = shard["start"] + lo, shard["start"] + hi
         try:
-            fd = storage._open_read(shard["file"])
+            fd, owned = storage.open_kept(shard["file"])
         except FileNotFoundError:
             raise CorruptCheckpointError(f"checkpoint data file {self.where} is missing") from None
         try:
@@ -269,7 +269,8 @@ class MappedShard:
             except (OSError, ValueError) as exc:
                 raise _Unmappable(str(exc)) from None
         finally:
-            os.close(fd)
+            if owned:
+                os.close(fd)
         self._view = memoryview(self._map)[begin - base:]
 
     def check(self, chunks: list[int]) -> None:

@@ -16,13 +16,15 @@ regular file (a FIFO would block the read forever), so a checkpoint cannot make 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import re
 import stat
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -63,6 +65,34 @@ class Storage:
         self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
+        self._kept: dict[tuple[int, str], int] | None = None  # see keep_open
+
+    @contextlib.contextmanager
+    def keep_open(self) -> Iterator[None]:
+        """Within it, :meth:`open_kept` gives each thread one descriptor per local file, reused, all closed when it
+        ends: a file read shard after shard keeps one readahead state (a new descriptor per 2 MiB shard restarts
+        the kernel's readahead: 4 streams of 512 MiB took 0.86-0.96 s against 0.75-0.93 s on one descriptor; a
+        cold 2 GiB 2-D block load on 4 ranks 0.80-0.81 s against 0.84-1.03 in one pass, 0.91-0.95 against
+        1.04-1.18 atomic)."""
+        self._kept = {}
+        try:
+            yield
+        finally:
+            kept, self._kept = self._kept, None
+            for fd in kept.values():
+                os.close(fd)
+
+    def open_kept(self, name: str) -> tuple[int, bool]:
+        """(a descriptor to read the local file ``name``, whether the caller closes it): this thread's kept one
+        inside :meth:`keep_open`, else a new one (:meth:`_open_read`'s refusals and errors either way)."""
+        kept = self._kept
+        if kept is None:
+            return self._open_read(name), True
+        key = (threading.get_ident(), name)
+        fd = kept.get(key)
+        if fd is None:
+            fd = kept[key] = self._open_read(name)
+        return fd, False
 
     def path(self, name: str) -> str:
         """The file ``name`` inside the checkpoint; refuses (:func:`check_name`) anything but a plain child."""
@@ -218,7 +248,7 @@ class FileReader:
     read, so a missing file raises there), by byte range otherwise. Use as a context manager, which closes it."""
 
     def __init__(self, storage: Storage, name: str) -> None:
-        self.storage, self.name, self._fd = storage, name, None
+        self.storage, self.name, self._fd, self._owned = storage, name, None, True
 
     def __enter__(self) -> FileReader:
         return self
@@ -227,14 +257,14 @@ class FileReader:
         self.close()
 
     def close(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._owned:
             os.close(self._fd)
-            self._fd = None
+        self._fd = None
 
     def _open(self) -> int:
         if self._fd is None:
             try:
-                self._fd = self.storage._open_read(self.name)
+                self._fd, self._owned = self.storage.open_kept(self.name)
             except FileNotFoundError:
                 where = self.storage.where(self.name)
                 raise CorruptCheckpointError(f"checkpoint data file {where} is missing") from None
