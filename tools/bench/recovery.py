@@ -12,19 +12,24 @@ model: interpreter and torch imports, rendezvous, process group, build), ``load_
 ``first_step_s`` (the first new step). The marks come from the restarted run's ``summary.json`` (``startup``).
 
 **Cold load** (4 ranks, the checkpoint layout matrix of ``tools/bench/checkpoint.py``, ``--size-mb`` of fp32
-matrices): per row, vescale and DCP each save once, then ``--repeat`` cold loads of each, alternating, every one
-after evicting both checkpoints' files from the page cache (``posix_fadvise(DONTNEED)`` on every file: clean pages
+matrices): per row, vescale and DCP each save once, then ``--repeat`` rounds of cold loads: vescale's atomic load
+(the default: check, agree, fill), its one-pass load (``atomic=False``, what ``train.py --resume`` uses), DCP's, every
+one after evicting both checkpoints' files from the page cache (``posix_fadvise(DONTNEED)`` on every file: clean pages
 are dropped without privileges; dropping the whole page cache needs root). The floor: the stored bytes at the disk's
 buffered read rate measured in the same run (4 dd streams through the page cache after the same eviction, reading as
 many bytes as the state together, the best of 512 KiB / 1 MiB / 4 MiB blocks; its ``O_DIRECT`` rate is reported
 beside it). Every stored byte comes from the disk once whatever the row (ranks needing the same bytes share the page
 cache), so the floor is the stored bytes over the 4 streams' aggregate rate. ``cold_fraction_of_read_rate``: that
-floor over vescale's cold load (1.0: the load reads at the disk's rate); ``ratio_cold_vs_dcp``: DCP's cold load time
-over vescale's (above 1: vescale is faster). ``copy_floor_s``: the bytes every rank's targets hold together (4x
-the stored bytes when replicated) at the host's memory copy rate with the 4 ranks copying at once
-(``memory_copy_4x_GBps``, measured in the same run): the time the copies into the targets take even when nothing
-else runs, a second floor beside the disk's. Medians; the slowest rank between barriers. ``crc32``: the module of
-the checksum in use (``isal.isal_zlib`` with ``vescale-checkpoint[fast]``, else ``zlib``). Prints one JSON.
+floor over vescale's cold load (1.0: the load reads at the disk's rate; ``one_pass_*`` the same for the one-pass
+load); ``ratio_cold_vs_dcp``: DCP's cold load time over vescale's (above 1: vescale is faster). The disk's rate
+moves with the host's cache, so every round also times 4 dd streams (1 MiB blocks) reading as many bytes as the
+state, between the loads (``paired_dd_s``, median): ``*_fraction_of_paired_read_rate`` sets each load against the
+read rate of its own rounds, not against the best of one dd run per block size taken after all the rows.
+``copy_floor_s``: the bytes every rank's targets hold together (4x the stored bytes when replicated) at the host's
+memory copy rate with the 4 ranks copying at once (``memory_copy_4x_GBps``, measured in the same run): the time the
+copies into the targets take even when nothing else runs, a second floor beside the disk's. Medians; the slowest
+rank between barriers. ``crc32``: the module of the checksum in use (``isal.isal_zlib`` with
+``vescale-checkpoint[fast]``, else ``zlib``). Prints one JSON.
 """
 
 from __future__ import annotations
