@@ -347,7 +347,8 @@ def parse_args(argv: list[str] | None, description: str) -> TrainConfig:
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="async checkpoint every N steps (0: off)")
     p.add_argument("--resume", default=None,
                    help="checkpoint directory to resume from (any mesh), or auto: the newest complete and intact\n"
-                        "<out>/ckpt/step_N (skipping damaged ones, saying which), else start fresh in --out")
+                        "<out>/ckpt/step_N (skipping damaged ones, saying which; an error if every complete one is\n"
+                        "damaged), else start fresh in --out")
     p.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps, metavar="N",
                    help="a step with a non-finite loss or gradient on any rank is skipped on every rank; one more\n"
                         "than N in a row stops the run (NonFiniteStepError) after a checkpoint of the last good\n"

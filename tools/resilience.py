@@ -74,18 +74,18 @@ def load_resume(cfg, state: dict, say: Callable[[str], None]) -> tuple[str, dict
             progress["skipped"] = 0  # the run's bad steps so far (checkpoints written before it was kept lack it)
         try:
             checkpoint.load(path, {**state, "progress": progress}, atomic=False)
+            return path, progress
         except CorruptCheckpointError as exc:
-            if len(paths) > 1 and i + 1 == len(paths):  # never a silent fresh start over a run's checkpoints
+            if i + 1 < len(paths):
+                say(f"--resume auto: skipping {path}: damaged ({str(exc).splitlines()[0]}); "
+                    f"resuming from {paths[i + 1]}")
+            elif len(paths) == 1:
+                raise
+            else:  # never a silent fresh start over a run's checkpoints
                 raise CorruptCheckpointError(f"--resume auto: every complete checkpoint under {cfg.out}/ckpt is "
                                              f"damaged (move them aside to start fresh); the oldest, {path}: {exc}"
                                              ) from exc
-            if i + 1 == len(paths):
-                raise
-            say(f"--resume auto: skipping {path}: damaged ({str(exc).splitlines()[0]}); "
-                f"resuming from {paths[i + 1]}")
-            continue
-        return path, progress
-    raise AssertionError("unreachable: the last path's failure raises")
+    raise ValueError("load_resume: no checkpoint to load (cfg.resume is empty)")
 
 
 class Resilience:
