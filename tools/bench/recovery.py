@@ -13,18 +13,21 @@ model: interpreter and torch imports, rendezvous, process group, build), ``load_
 
 **Cold load** (4 ranks, the checkpoint layout matrix of ``tools/bench/checkpoint.py``, ``--size-mb`` of fp32
 matrices): per row, vescale and DCP each save once, then ``--repeat`` rounds of cold loads: vescale's atomic load
-(the default: check, agree, fill), its one-pass load (``atomic=False``, what ``train.py --resume`` uses), DCP's, every
-one after evicting both checkpoints' files from the page cache (``posix_fadvise(DONTNEED)`` on every file: clean pages
-are dropped without privileges; dropping the whole page cache needs root). The floor: the stored bytes at the disk's
-buffered read rate measured in the same run (4 dd streams through the page cache after the same eviction, reading as
-many bytes as the state together, the best of 512 KiB / 1 MiB / 4 MiB blocks; its ``O_DIRECT`` rate is reported
-beside it). Every stored byte comes from the disk once whatever the row (ranks needing the same bytes share the page
-cache), so the floor is the stored bytes over the 4 streams' aggregate rate. ``cold_fraction_of_read_rate``: that
-floor over vescale's cold load (1.0: the load reads at the disk's rate; ``one_pass_*`` the same for the one-pass
-load); ``ratio_cold_vs_dcp``: DCP's cold load time over vescale's (above 1: vescale is faster). The disk's rate
-moves with the host's cache, so every round also times 4 dd streams (1 MiB blocks) reading as many bytes as the
-state, between the loads (``paired_dd_s``, median): ``*_fraction_of_paired_read_rate`` sets each load against the
-read rate of its own rounds, not against the best of one dd run per block size taken after all the rows.
+(the default: check, agree, fill), its one-pass load (``atomic=False``, what ``train.py --resume`` uses), DCP's.
+Every load follows the same steps: both checkpoints' files are evicted from the page cache
+(``posix_fadvise(DONTNEED)`` on every file: clean pages are dropped without privileges; dropping the whole page cache
+needs root), one ``dd bs=1M`` stream per data file reads vescale's data files, the files are evicted again, and the
+load runs. Each round starts one load further along, so that each load follows each of the others equally often.
+
+Two floors. **Paired** (``*_fraction_of_paired_read_rate``, the median over the rounds, and its range): the dd right
+before a load measures the disk's buffered read rate at that moment, on the same bytes (the disk's rate moves with
+the host's cache: the same 2 GiB took 0.7-1.4 s on the development machine); each load's fraction is the time its
+stored bytes take at that rate over the load's time (1.0: the load reads at the disk's rate). **Best of dd**
+(``*_fraction_of_read_rate``, a stricter figure): the stored bytes at the best 4-stream buffered rate of one dd run
+per block size (512 KiB / 1 MiB / 4 MiB, after the same eviction, reading as many bytes as the state, measured once
+after all the rows) over the median load. Every stored byte comes from the disk once whatever the row (ranks needing
+the same bytes share the page cache), so both floors are the stored bytes at the disk's rate; the ``O_DIRECT`` rate
+is reported beside them. ``ratio_cold_vs_dcp``: DCP's cold load time over vescale's (above 1: vescale is faster).
 ``copy_floor_s``: the bytes every rank's targets hold together (4x the stored bytes when replicated) at the host's
 memory copy rate with the 4 ranks copying at once (``memory_copy_4x_GBps``, measured in the same run): the time the
 copies into the targets take even when nothing else runs, a second floor beside the disk's. Medians; the slowest
@@ -136,20 +139,9 @@ def _copy_rate(nbytes: int = 256 << 20, repeat: int = 5) -> float:
     return dist.get_world_size() * nbytes / best / 1e9
 
 
-def _dd_files(root: str, nbytes: int) -> list[str]:
-    """On rank 0: 4 files holding ``nbytes`` together (written once with ``O_DIRECT``, read once untimed, so that
-    every timed read meets the disk as the checkpoints' reads do), for :func:`_dd_sample`."""
-    files = [os.path.join(root, f"paired-dd{i}.tmp") for i in range(4)]
-    count = max(1, nbytes // 4 // 2**20)
-    for f in files:
-        subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={count}", "oflag=direct",
-                        "conv=fdatasync"], check=True, stderr=subprocess.DEVNULL)
-    _dd_sample(files)
-    return files
-
-
 def _dd_sample(files: list[str]) -> float:
-    """Seconds 4 concurrent ``dd bs=1M`` streams take to read ``files`` through the page cache, evicted first."""
+    """Seconds one concurrent ``dd bs=1M`` stream per file takes to read ``files`` through the page cache, evicted
+    first."""
     ckpt_bench._evict_files(files)
     t0 = time.perf_counter()
     procs = [subprocess.Popen(["dd", f"if={f}", "of=/dev/null", "bs=1M"], stderr=subprocess.DEVNULL) for f in files]
@@ -158,10 +150,15 @@ def _dd_sample(files: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+#: the cold loads of a round, by sample name; each round starts one further along (see :func:`_cold_rows`)
+_LOADS = ("vescale_cold_load", "vescale_one_pass_cold_load", "dcp_cold_load")
+
+
 def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int], repeat: int) -> dict:
-    """On 4 ranks: per layout, one save each side, then ``repeat`` rounds of cold loads, every one after evicting
-    both checkpoints: vescale's atomic load, its one-pass load (``atomic=False``), DCP's, and one paired dd read
-    of as many bytes (rank 0, the others waiting)."""
+    """On 4 ranks: per layout, one save each side, then ``repeat`` rounds of cold loads: vescale's atomic load, its
+    one-pass load (``atomic=False``), DCP's. Every load follows the same steps: evict both checkpoints, dd reads
+    vescale's data files (rank 0, the others waiting; ``<load>_dd_s``), evict again, load. Round ``r`` starts at
+    load ``r % 3``, so that each load follows each of the others equally often."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -170,7 +167,6 @@ def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int]
 
     rows: dict = {"_copy_GBps": _copy_rate()}
     rank = dist.get_rank()
-    dd_files = _dd_files(root, count * shape[0] * shape[1] * 4) if rank == 0 else []
     for layout in layouts:
         state = ckpt_bench._matrix_state(layout, count, shape, for_dcp=False)
         held = torch.tensor([sum(t.to_local().nbytes for t in state.values())], dtype=torch.float64)
@@ -183,29 +179,28 @@ def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int]
         checkpoint.load(v_path, state)  # first calls (imports, plans), untimed
         checkpoint.load(v_path, state, atomic=False)
         dcp.load(dstate, checkpoint_id=d_path)
+        data_files = sorted(os.path.join(v_path, f) for f in os.listdir(v_path) if f.startswith("data"))
+        loads = {"vescale_cold_load": partial(checkpoint.load, v_path, state),
+                 "vescale_one_pass_cold_load": partial(checkpoint.load, v_path, state, atomic=False),
+                 "dcp_cold_load": partial(dcp.load, dstate, checkpoint_id=d_path)}
         samples: dict[str, list[float]] = {}
-        for _ in range(repeat):
-            ckpt_bench._sample_cold(samples, {
-                "vescale_cold_load": partial(checkpoint.load, v_path, state),
-                "vescale_one_pass_cold_load": partial(checkpoint.load, v_path, state, atomic=False),
-                "dcp_cold_load": partial(dcp.load, dstate, checkpoint_id=d_path)}, (v_path, d_path))
-            dist.barrier()
-            took = torch.tensor([_dd_sample(dd_files) if rank == 0 else 0.0], dtype=torch.float64)
-            dist.broadcast(took, 0)
-            samples.setdefault("dd_s", []).append(took.item())
-        rows[layout] = {k: statistics.median(v) for k, v in samples.items()}
+        for r in range(repeat):
+            for name in _LOADS[r % 3:] + _LOADS[:r % 3]:
+                ckpt_bench._evict(v_path, d_path)
+                took = torch.tensor([_dd_sample(data_files) if rank == 0 else 0.0], dtype=torch.float64)
+                dist.broadcast(took, 0)
+                samples.setdefault(f"{name}_dd_s", []).append(took.item())
+                ckpt_bench._sample_cold(samples, {name: loads[name]}, (v_path, d_path))
+        rows[layout] = dict(samples)
         rows[layout]["target_bytes"] = int(held.item())
         if rank == 0:
             rows[layout]["vescale_bytes"] = ckpt_bench._bytes(v_path)
+            rows[layout]["vescale_data_bytes"] = sum(os.path.getsize(f) for f in data_files)
             rows[layout]["dcp_bytes"] = ckpt_bench._bytes(d_path)
             shutil.rmtree(v_path, ignore_errors=True)
             shutil.rmtree(d_path, ignore_errors=True)
         dist.barrier()
-        state = dstate = None
-    if rank == 0:
-        rows["_dd_bytes"] = sum(os.path.getsize(f) for f in dd_files)
-        for f in dd_files:
-            os.remove(f)
+        state = dstate = loads = None  # the next row's state is built after this one's is freed
     return rows
 
 
@@ -229,24 +224,26 @@ def cold(args, root: str) -> dict:
            "eviction": "posix_fadvise(POSIX_FADV_DONTNEED) on every checkpoint file before each load",
            "disk_read_buffered_4x_GBps": rate, "disk_read_direct_4x_GBps": dd.get("dd_read_4x_GBps"),
            "memory_copy_4x_GBps": round(rows["_copy_GBps"], 2), "rows": {}}
+    med = statistics.median
     for layout in layouts:
         r = rows[layout]
-        one = r["vescale_one_pass_cold_load_s"]
-        row = {"vescale_cold_load_s": round(r["vescale_cold_load_s"], 4),
-               "vescale_one_pass_cold_load_s": round(one, 4),
-               "dcp_cold_load_s": round(r["dcp_cold_load_s"], 4),
-               "ratio_cold_vs_dcp": round(r["dcp_cold_load_s"] / r["vescale_cold_load_s"], 2),
-               "ratio_one_pass_vs_dcp": round(r["dcp_cold_load_s"] / one, 2)}
+        atomic, one, dcp = (med(r[f"{name}_s"]) for name in _LOADS)
+        row = {"vescale_cold_load_s": round(atomic, 4), "vescale_one_pass_cold_load_s": round(one, 4),
+               "dcp_cold_load_s": round(dcp, 4), "ratio_cold_vs_dcp": round(dcp / atomic, 2),
+               "ratio_one_pass_vs_dcp": round(dcp / one, 2)}
         if rate:
             floor = r["vescale_bytes"] / 1e9 / rate
             row["floor_cold_load_s"] = round(floor, 4)
-            row["cold_fraction_of_read_rate"] = round(floor / r["vescale_cold_load_s"], 3)
+            row["cold_fraction_of_read_rate"] = round(floor / atomic, 3)
             row["one_pass_fraction_of_read_rate"] = round(floor / one, 3)
-        # the same bytes by dd in the same rounds (median): the read rate while this row's loads ran
-        paired = r["vescale_bytes"] / (rows["_dd_bytes"] / r["dd_s"])
-        row["paired_dd_s"] = round(r["dd_s"], 4)
-        row["cold_fraction_of_paired_read_rate"] = round(paired / r["vescale_cold_load_s"], 3)
-        row["one_pass_fraction_of_paired_read_rate"] = round(paired / one, 3)
+        # each load against the dd that read vescale's data files right before it (the disk's rate at that moment):
+        # the stored bytes the load reads at that rate, over the load's time; the median over the rounds, and the range
+        row["paired_dd_s"] = round(med([x for name in _LOADS for x in r[f"{name}_dd_s"]]), 4)
+        for name, key in zip(_LOADS, ("cold", "one_pass", "dcp")):
+            stored = r["dcp_bytes" if key == "dcp" else "vescale_bytes"] / r["vescale_data_bytes"]
+            each = [dd * stored / t for dd, t in zip(r[f"{name}_dd_s"], r[f"{name}_s"])]
+            row[f"{key}_fraction_of_paired_read_rate"] = round(med(each), 3)
+            row[f"{key}_fraction_of_paired_read_rate_range"] = [round(min(each), 3), round(max(each), 3)]
         # every rank's targets written once at the host's copy rate: a second bound, beside the disk's
         row["copy_floor_s"] = round(r["target_bytes"] / 1e9 / rows["_copy_GBps"], 4)
         if layout in ckpt_bench.DCP_STAND_IN:

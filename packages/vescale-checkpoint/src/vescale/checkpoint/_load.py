@@ -429,10 +429,11 @@ def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, 
         if rd.shard["codec"] != "raw":
             staged[id(rd)] = read_shard(storage, rd.shard, dtype, verify=chunks)
             return
-        m = map_parts(storage, rd.shard, dtype, parts(rd), chunks)
+        targets = parts(rd)
+        m = map_parts(storage, rd.shard, dtype, targets, chunks)
         if m is None:
             if fill_unmapped:
-                read_parts_checked(storage, rd.shard, dtype, parts(rd), chunks)
+                read_parts_checked(storage, rd.shard, dtype, targets, chunks)
             elif chunks:
                 check_chunks_read(storage, rd.shard, chunks)
             return
