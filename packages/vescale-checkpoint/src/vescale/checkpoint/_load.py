@@ -335,7 +335,7 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
     workers = io_threads(threads, comm)
     with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:  # one: this thread
         if storage.local and not dedup_reads:
-            with storage.keep_open(None if atomic else _unshared_files(reads, comm.rank)):
+            with storage.keep_open():
                 _read_local(reads, comm, storage, pieces, saved, verify, pool, atomic)
         else:
             _read_once(reads, comm, storage, pieces, saved, verify, pool, atomic)
@@ -381,19 +381,6 @@ def _check_reads(mine: list[_Read], storage: Storage, saved: dict, verify: bool,
 
 class _Failed(Exception):
     """A read that failed, carried as its error text (internal)."""
-
-
-def _unshared_files(reads: list[_Read], rank: int) -> set[str]:
-    """The files of which ``rank`` reads shards that no other rank reads: a one-pass load keeps one descriptor open
-    for these only (:meth:`Storage.keep_open`). Ranks reading the same pages in one pass each through a kept
-    descriptor were slower (cold 2 GiB, 4 ranks: replicated 1.82 s against 1.01 with a descriptor per shard, rows
-    1.55 against 0.92), while unshared files gained (2-D block 0.80-0.81 s against 0.84-1.03)."""
-    readers: dict[tuple[str, int], set[int]] = {}
-    for rd in reads:
-        readers.setdefault((rd.shard["file"], rd.shard["start"]), set()).add(rd.reader)
-    mine = {f for (f, _), who in readers.items() if rank in who}
-    shared = {f for (f, _), who in readers.items() if rank in who and len(who) > 1}
-    return mine - shared
 
 
 def _read_local(reads: list[_Read], comm: Comm, storage: Storage, pieces: dict, saved: dict, verify: bool,

@@ -7,7 +7,8 @@ cache), and checked. After the agreement, a part that is one contiguous byte ran
 of whole rows) into a contiguous CPU target of the stored dtype is read straight into its target with one
 positional read; that is every same-layout load. Any other part on this path (a cast, a target off the CPU, a strided
 part with the mapped path off) is streamed: the rows it covers are read ``_PIECE_BYTES`` at a time into the buffer and
-copied out while they are in the cache. Each file is opened once per shard and pass.
+copied out while they are in the cache. Inside a load, each I/O thread reads each file through one descriptor,
+renewed every 32 MiB (:class:`~vescale.checkpoint._storage.ReadDescriptor`).
 
 **Mapped** (:class:`MappedShard`), for strided parts (a column block of a row-major shard, a sub-box, a strided
 target) into CPU targets of the stored dtype: the byte span the parts and the checksum chunks cover is mapped
@@ -254,9 +255,10 @@ class MappedShard:
         self.shard, self.lo, self.where = shard, lo, storage.where(shard["file"])
         begin, end = shard["start"] + lo, shard["start"] + hi
         try:
-            fd, owned = storage.open_kept(shard["file"])
+            desc, owned = storage.open_kept(shard["file"])
         except FileNotFoundError:
             raise CorruptCheckpointError(f"checkpoint data file {self.where} is missing") from None
+        fd = desc.fd
         try:
             size = os.fstat(fd).st_size
             if size < end:  # an access past the end of a mapping is a SIGBUS, not an error: refuse it here
@@ -268,9 +270,10 @@ class MappedShard:
                                       prot=mmap.PROT_READ, offset=base)
             except (OSError, ValueError) as exc:
                 raise _Unmappable(str(exc)) from None
+            desc.advance(end - base)  # the populate read the span through this descriptor
         finally:
             if owned:
-                os.close(fd)
+                desc.close()
         self._view = memoryview(self._map)[begin - base:]
 
     def check(self, chunks: list[int]) -> None:

@@ -34,7 +34,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 from vescale.checkpoint.errors import CorruptCheckpointError
 
-_CHUNK = 64 << 20  # bytes per pwrite/pread call: keeps threads busy on big tensors
+_CHUNK = 64 << 20  # bytes per pwrite call: keeps threads busy on big tensors
+# bytes a local read descriptor reads before it is replaced by a fresh one (see ReadDescriptor); also the most one
+# pread call asks for, so that the replacement comes in time
+_RENEW_BYTES = 32 << 20
 _DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 # bytes per O_DIRECT write. Measured on the development machine's virtio disk, 4 ranks writing 128 MiB each (medians
 # of 5 saves, two runs): 16 MiB writes 245-264 ms, 4 MiB 224-227, 1 MiB 199-210, 512 KiB 193-203, 256 KiB 227-254,
@@ -65,35 +68,35 @@ class Storage:
         self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
-        self._kept: dict[tuple[int, str], int] | None = None  # see keep_open
-        self._keep: set[str] | None = None
+        self._kept: dict[tuple[int, str], ReadDescriptor] | None = None  # see keep_open
 
     @contextlib.contextmanager
-    def keep_open(self, names: set[str] | None = None) -> Iterator[None]:
-        """Within it, :meth:`open_kept` gives each thread one descriptor per local file (of ``names``, default all),
-        reused, all closed when it ends: a file read shard after shard keeps one readahead state (a new descriptor
-        per 2 MiB shard restarts the kernel's readahead: 4 streams of 512 MiB took 0.86-0.96 s against 0.75-0.93 s
-        on one descriptor; a cold 2 GiB 2-D block load on 4 ranks 0.80-0.81 s against 0.84-1.03 in one pass,
-        0.91-0.95 against 1.04-1.18 atomic)."""
-        self._kept, self._keep = {}, names
+    def keep_open(self) -> Iterator[None]:
+        """Within it, :meth:`open_kept` gives each thread one :class:`ReadDescriptor` per local file, reused, all
+        closed when it ends: a file read shard after shard keeps one readahead state for up to ``_RENEW_BYTES`` (a
+        new descriptor per 2-4 MiB shard restarts the kernel's readahead each time: 4 streams of 512 MiB took
+        0.86-0.96 s against 0.75-0.93 s on one descriptor; cold 2 GiB one-pass loads on 4 ranks whose ranks read
+        the same files, 4 alternating rounds: rows 0.86-0.90 s kept against 0.90-1.01 per shard, interleaved
+        0.89-0.98 against 0.94-1.05, replicated 0.99-1.10 against 1.04-1.16)."""
+        self._kept = {}
         try:
             yield
         finally:
             kept, self._kept = self._kept, None
-            for fd in kept.values():
-                os.close(fd)
+            for desc in kept.values():
+                desc.close()
 
-    def open_kept(self, name: str) -> tuple[int, bool]:
+    def open_kept(self, name: str) -> tuple[ReadDescriptor, bool]:
         """(a descriptor to read the local file ``name``, whether the caller closes it): this thread's kept one
         inside :meth:`keep_open`, else a new one (:meth:`_open_read`'s refusals and errors either way)."""
         kept = self._kept
-        if kept is None or (self._keep is not None and name not in self._keep):
-            return self._open_read(name), True
+        if kept is None:
+            return ReadDescriptor(self, name), True
         key = (threading.get_ident(), name)
-        fd = kept.get(key)
-        if fd is None:
-            fd = kept[key] = self._open_read(name)
-        return fd, False
+        desc = kept.get(key)
+        if desc is None:
+            desc = kept[key] = ReadDescriptor(self, name)
+        return desc, False
 
     def path(self, name: str) -> str:
         """The file ``name`` inside the checkpoint; refuses (:func:`check_name`) anything but a plain child."""
@@ -244,12 +247,42 @@ class Storage:
         return FileReader(self, name)
 
 
-class FileReader:
-    """Positional reads of one file of a :class:`Storage`: on one descriptor for a local file (opened on the first
-    read, so a missing file raises there), by byte range otherwise. Use as a context manager, which closes it."""
+class ReadDescriptor:
+    """A read-only descriptor of one local file of a :class:`Storage` (``fd``), replaced by a fresh one of the same
+    file once ``_RENEW_BYTES`` have been read through it (counted by :meth:`advance`).
+
+    Why: the kernel's readahead on one descriptor grows both its window and the size of the page-cache folios it
+    allocates (up to 2 MiB) as a sequential read goes on; on the development machine the large folios made cold
+    reads erratic. 4 streams reading 512 MiB each in 1 MiB reads, evicted before each of 6-8 runs: one descriptor
+    per file 0.96-4.19 s, 0.39-3.92 s of CPU; a fresh descriptor every 32 MiB 0.93-1.05 s, 0.40-0.48 s of CPU
+    (every 8 MiB 0.98-1.09 s; every 128 MiB 0.90-1.18 s, CPU up to 0.79 s). Cold 2 GiB one-pass loads of the 2-D
+    block layout on 4 ranks, 4 alternating rounds: 0.83-0.87 s against 0.86-1.30 s on descriptors kept whole.
+    Raises as :meth:`Storage._open_read`.
+    """
 
     def __init__(self, storage: Storage, name: str) -> None:
-        self.storage, self.name, self._fd, self._owned = storage, name, None, True
+        self.storage, self.name = storage, name
+        self.fd, self.read = storage._open_read(name), 0
+
+    def advance(self, nbytes: int) -> None:
+        """Count ``nbytes`` read through ``fd``; past ``_RENEW_BYTES`` in all, ``fd`` becomes a fresh descriptor."""
+        self.read += nbytes
+        if self.read >= _RENEW_BYTES:
+            fresh = self.storage._open_read(self.name)
+            os.close(self.fd)
+            self.fd, self.read = fresh, 0
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class FileReader:
+    """Positional reads of one file of a :class:`Storage`: through a :class:`ReadDescriptor` for a local file
+    (opened on the first read, so a missing file raises there), by byte range otherwise. Use as a context manager,
+    which closes it."""
+
+    def __init__(self, storage: Storage, name: str) -> None:
+        self.storage, self.name, self._desc, self._owned = storage, name, None, True
 
     def __enter__(self) -> FileReader:
         return self
@@ -258,31 +291,32 @@ class FileReader:
         self.close()
 
     def close(self) -> None:
-        if self._fd is not None and self._owned:
-            os.close(self._fd)
-        self._fd = None
+        if self._desc is not None and self._owned:
+            self._desc.close()
+        self._desc = None
 
-    def _open(self) -> int:
-        if self._fd is None:
+    def _open(self) -> ReadDescriptor:
+        if self._desc is None:
             try:
-                self._fd, self._owned = self.storage.open_kept(self.name)
+                self._desc, self._owned = self.storage.open_kept(self.name)
             except FileNotFoundError:
                 where = self.storage.where(self.name)
                 raise CorruptCheckpointError(f"checkpoint data file {where} is missing") from None
-        return self._fd
+        return self._desc
 
     def read_into(self, start: int, out: memoryview) -> None:
         """Fill ``out`` with the file's bytes from ``start``; a missing or short file raises
         :class:`CorruptCheckpointError` naming it."""
         want, storage = out.nbytes, self.storage
         if storage.local:
-            fd = self._open()
+            desc = self._open()
             done = 0
             while done < want:
-                n = os.preadv(fd, [out[done:done + _CHUNK]], start + done)
+                n = os.preadv(desc.fd, [out[done:done + _RENEW_BYTES]], start + done)
                 if n <= 0:
                     break
                 done += n
+                desc.advance(n)
         else:
             try:
                 data = storage.fs.cat_file(storage.path(self.name), start=start, end=start + want)
