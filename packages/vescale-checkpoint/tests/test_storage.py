@@ -205,16 +205,13 @@ def _direct_supported(path) -> bool:
         return False
 
 
-@pytest.mark.parametrize("atomic", [True, False])
-def test_a_local_load_opens_each_file_once_per_thread_and_closes_it(tmp_path, monkeypatch, atomic):
-    """Shard after shard of one file is read on one kept descriptor per I/O thread (the kernel's readahead state
-    lives in it), and the load closes every descriptor it opened."""
+def _load_counting_opens(path, monkeypatch, state: dict, **load_kwargs) -> list[str]:
+    """Load the checkpoint at ``path`` (saved from ``state``) into zeros; assert the values are those saved and that
+    the load left no descriptor open; return the data files' names, once per open."""
     import os
 
     from vescale.checkpoint import _storage
 
-    state = {f"w{i}": torch.full((64, 32), float(i)) for i in range(12)}
-    checkpoint.save(tmp_path / "ckpt", state)
     opened: list[str] = []
     real = _storage.Storage._open_read
 
@@ -225,11 +222,20 @@ def test_a_local_load_opens_each_file_once_per_thread_and_closes_it(tmp_path, mo
     monkeypatch.setattr(_storage.Storage, "_open_read", spy)
     before = set(os.listdir("/proc/self/fd"))
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    checkpoint.load(tmp_path / "ckpt", target, threads=2, atomic=atomic)
+    checkpoint.load(path, target, **load_kwargs)
     assert all(torch.equal(target[k], state[k]) for k in state)
-    data = [n for n in opened if n.endswith(".safetensors")]
-    assert len(set(data)) == 1 and 1 <= len(data) <= 2, opened  # 12 shards, one file, at most one open per thread
     assert set(os.listdir("/proc/self/fd")) == before
+    return [n for n in opened if n.endswith(".safetensors")]
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_local_load_opens_each_file_once_per_thread_and_closes_it(tmp_path, monkeypatch, atomic):
+    """Shard after shard of one file is read on one kept descriptor per I/O thread (the kernel's readahead state
+    lives in it), and the load closes every descriptor it opened."""
+    state = {f"w{i}": torch.full((64, 32), float(i)) for i in range(12)}
+    checkpoint.save(tmp_path / "ckpt", state)
+    data = _load_counting_opens(tmp_path / "ckpt", monkeypatch, state, threads=2, atomic=atomic)
+    assert len(set(data)) == 1 and 1 <= len(data) <= 2, data  # 12 shards, one file, at most one open per thread
 
 
 @pytest.mark.parametrize("atomic", [True, False])
@@ -237,26 +243,11 @@ def test_a_long_read_moves_to_a_fresh_descriptor_and_closes_the_old_one(tmp_path
     """After every ``_RENEW_BYTES`` read through one descriptor the reader moves to a fresh descriptor of the file (the
     kernel's readahead starts over with small page-cache folios); the values are those saved and the load leaves no
     descriptor open."""
-    import os
-
     from vescale.checkpoint import _storage
 
     state = {"big": torch.randn(256, 256), "small": torch.randn(8, 8)}
     checkpoint.save(tmp_path / "ckpt", state)
     renew = 16 << 10
     monkeypatch.setattr(_storage, "_RENEW_BYTES", renew)
-    opened: list[str] = []
-    real = _storage.Storage._open_read
-
-    def spy(self, name):
-        opened.append(name)
-        return real(self, name)
-
-    monkeypatch.setattr(_storage.Storage, "_open_read", spy)
-    before = set(os.listdir("/proc/self/fd"))
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
-    checkpoint.load(tmp_path / "ckpt", target, threads=1, atomic=atomic)
-    assert all(torch.equal(target[k], state[k]) for k in state)
-    data = [n for n in opened if n.endswith(".safetensors")]
+    data = _load_counting_opens(tmp_path / "ckpt", monkeypatch, state, threads=1, atomic=atomic)
     assert len(set(data)) == 1 and len(data) >= state["big"].nbytes // renew, len(data)
-    assert set(os.listdir("/proc/self/fd")) == before

@@ -249,7 +249,8 @@ class Storage:
 
 class ReadDescriptor:
     """A read-only descriptor of one local file of a :class:`Storage` (``fd``), replaced by a fresh one of the same
-    file once ``_RENEW_BYTES`` have been read through it (counted by :meth:`advance`).
+    file once ``_RENEW_BYTES`` have been read through it (counted by :meth:`advance`): the spent one is closed at
+    once, the fresh one opened when ``fd`` is next asked for (none when nothing more is read).
 
     Why: the kernel's readahead on one descriptor grows both its window and the size of the page-cache folios it
     allocates (up to 2 MiB) as a sequential read goes on; on the development machine the large folios made cold
@@ -262,18 +263,27 @@ class ReadDescriptor:
 
     def __init__(self, storage: Storage, name: str) -> None:
         self.storage, self.name = storage, name
-        self.fd, self.read = storage._open_read(name), 0
+        self._fd: int | None = storage._open_read(name)  # the first open raises here: a missing file is named early
+        self.read = 0
+
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            self._fd = self.storage._open_read(self.name)
+        return self._fd
 
     def advance(self, nbytes: int) -> None:
-        """Count ``nbytes`` read through ``fd``; past ``_RENEW_BYTES`` in all, ``fd`` becomes a fresh descriptor."""
+        """Count ``nbytes`` read through ``fd``; past ``_RENEW_BYTES`` in all, ``fd`` is closed (the next use of
+        ``fd`` opens a fresh descriptor)."""
         self.read += nbytes
         if self.read >= _RENEW_BYTES:
-            fresh = self.storage._open_read(self.name)
-            os.close(self.fd)
-            self.fd, self.read = fresh, 0
+            self.close()
+            self.read = 0
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class FileReader:
