@@ -191,7 +191,7 @@ def _cold_rows(root: str, layouts: list[str], count: int, shape: tuple[int, int]
                 dist.broadcast(took, 0)
                 samples.setdefault(f"{name}_dd_s", []).append(took.item())
                 ckpt_bench._sample_cold(samples, {name: loads[name]}, (v_path, d_path))
-        rows[layout] = dict(samples)
+        rows[layout] = samples
         rows[layout]["target_bytes"] = int(held.item())
         if rank == 0:
             rows[layout]["vescale_bytes"] = ckpt_bench._bytes(v_path)
