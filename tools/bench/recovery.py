@@ -31,8 +31,10 @@ is reported beside them. ``ratio_cold_vs_dcp``: DCP's cold load time over vescal
 ``copy_floor_s``: the bytes every rank's targets hold together (4x the stored bytes when replicated) at the host's
 memory copy rate with the 4 ranks copying at once (``memory_copy_4x_GBps``, measured in the same run): the time the
 copies into the targets take even when nothing else runs, a second floor beside the disk's. Medians; the slowest
-rank between barriers. ``crc32``: the module of the checksum in use (``isal.isal_zlib`` with
-``vescale-checkpoint[fast]``, else ``zlib``). Prints one JSON.
+rank between barriers. ``free_page_reporting``: whether the machine is a virtual machine returning freed memory to
+its host (then every eviction hands the page cache back, and the disk's rate and the loads move with the host).
+``crc32``: the module of the checksum in use (``isal.isal_zlib`` with ``vescale-checkpoint[fast]``, else ``zlib``).
+Prints one JSON.
 """
 
 from __future__ import annotations
@@ -139,6 +141,23 @@ def _copy_rate(nbytes: int = 256 << 20, repeat: int = 5) -> float:
     return dist.get_world_size() * nbytes / best / 1e9
 
 
+def _free_page_reporting() -> bool | None:
+    """Whether this machine is a virtual machine that hands memory it frees back to its host (a virtio balloon
+    offering free page reporting, feature bit 5): the page cache an eviction frees is then returned to the host, and
+    the next cold read pays the host's page faults to get memory back, so that the disk's rate and the loads' speed
+    move from run to run. None where there is no sysfs to tell."""
+    devices = Path("/sys/bus/virtio/devices")
+    if not devices.is_dir():
+        return None if not Path("/sys").is_dir() else False
+    for dev in devices.iterdir():
+        try:
+            if int((dev / "device").read_text(), 16) == 5:  # the balloon
+                return (dev / "features").read_text().strip()[5:6] == "1"
+        except (OSError, ValueError):
+            continue
+    return False
+
+
 def _dd_sample(files: list[str]) -> float:
     """Seconds one concurrent ``dd bs=1M`` stream per file takes to read ``files`` through the page cache, evicted
     first."""
@@ -223,7 +242,8 @@ def cold(args, root: str) -> dict:
            "crc32": crc32.__module__, "load_average_before": load_before,
            "eviction": "posix_fadvise(POSIX_FADV_DONTNEED) on every checkpoint file before each load",
            "disk_read_buffered_4x_GBps": rate, "disk_read_direct_4x_GBps": dd.get("dd_read_4x_GBps"),
-           "memory_copy_4x_GBps": round(rows["_copy_GBps"], 2), "rows": {}}
+           "memory_copy_4x_GBps": round(rows["_copy_GBps"], 2), "free_page_reporting": _free_page_reporting(),
+           "rows": {}}
     med = statistics.median
     for layout in layouts:
         r = rows[layout]
